@@ -1,0 +1,104 @@
+"""The attention-backend interface, shaped like vLLM V0 backends so engines built on those recognise it.
+
+A backend is a set of static functions (cache shape, block swap/copy, metadata construction) plus an
+implementation class whose ``forward`` writes the step's new K/V into the paged cache and attends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+class AttentionImpl(ABC):
+    """One layer's attention. Raises ``ValueError`` for a head size the backend cannot run."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.alibi_slopes = alibi_slopes
+        if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+            raise ValueError(f"{len(alibi_slopes)} ALiBi slopes given for {num_heads} heads")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        kv_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` and attend.
+
+        query: [T, H * D]; key, value: [T, KVH * D]; kv_cache: the backend's cache for this layer
+        (see ``get_kv_cache_shape``), or None while profiling memory (nothing is cached, every
+        sequence must then have an empty context). Returns [T, H * D] in query's dtype.
+        """
+
+
+class AttentionBackend(ABC):
+    """Static description of a backend; the engine picks one by name through the registry."""
+
+    name: str
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    def make_metadata(**kwargs) -> AttentionMetadata:
+        """Build metadata from host lists (see ``AttentionMetadata.from_seqlens``)."""
+        return AttentionMetadata.from_seqlens(**kwargs)
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_supported_head_sizes() -> list[int]: ...
+
+    @classmethod
+    @abstractmethod
+    def unusable_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device``, or None when it can."""
+
+    @staticmethod
+    def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:
+        """Copy blocks between two caches of one layer (e.g. GPU and pinned CPU); dim 1 indexes blocks."""
+        if not src_to_dst:
+            return
+        src = torch.tensor(list(src_to_dst.keys()), device=src_kv_cache.device)
+        dst = torch.tensor(list(src_to_dst.values()), device=dst_kv_cache.device)
+        dst_kv_cache[:, dst] = src_kv_cache[:, src].to(dst_kv_cache.device, non_blocking=True)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dsts: dict[int, list[int]]) -> None:
+        """Within every layer's cache, copy each source block to each of its destinations."""
+        pairs = [(s, d) for s, dsts in src_to_dsts.items() for d in dsts]
+        if not pairs:
+            return
+        for cache in kv_caches:
+            src = torch.tensor([s for s, _ in pairs], device=cache.device)
+            dst = torch.tensor([d for _, d in pairs], device=cache.device)
+            cache[:, dst] = cache[:, src]

@@ -1,0 +1,132 @@
+"""Pure-torch attention over a paged KV cache: runs anywhere, and is the oracle for faster backends.
+
+Cache layout (one tensor per layer): ``[2, num_blocks, block_size * KVH * D]``; index 0 holds keys,
+1 values; within a block, token-major then head then channel, so ``cache[0].view(-1, KVH, D)[slot]``
+is one token's keys. Attention is computed per sequence in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import AttentionBackend, AttentionImpl
+from .metadata import AttentionMetadata
+
+SUPPORTED_HEAD_SIZES = [64, 80, 96, 112, 128, 256]
+
+
+def write_to_paged_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int
+) -> None:
+    """Store new K/V at their slots; rows whose slot is -1 (graph padding) are skipped.
+
+    key, value: [T, KVH * D]; kv_cache: [2, num_blocks, block_size * KVH * D]; slot_mapping: [T] int64.
+    """
+    head_size = key.shape[-1] // num_kv_heads
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key[keep].view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value[keep].view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
+
+
+def gather_from_paged_cache(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, num_kv_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one sequence, each [seq_len, KVH, D].
+
+    block_table: [M] int32 physical block ids of the sequence.
+    """
+    num_blocks = kv_cache.shape[1]
+    block_size = kv_cache.shape[2] // (num_kv_heads * head_size)
+    used = block_table[: -(-seq_len // block_size)].long()
+    blocks = kv_cache.view(2, num_blocks, block_size, num_kv_heads, head_size)[:, used]
+    flat = blocks.reshape(2, -1, num_kv_heads, head_size)[:, :seq_len]
+    return flat[0], flat[1]
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over all its keys, in float32.
+
+    query: [Lq, H, D] at positions ``context_len .. context_len + Lq - 1``; key, value: [Lk, KVH, D]
+    at positions ``0 .. Lk - 1`` with ``Lk = context_len + Lq``. A query at position p sees keys at
+    positions k with k <= p and, with a window W, p - k < W. ALiBi adds ``slope[h] * (k - p)``.
+    Returns [Lq, H, D] float32.
+    """
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    q = query.float().transpose(0, 1)  # [H, Lq, D]
+    k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
+    v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, Lq, Lk]
+    q_pos = torch.arange(context_len, context_len + query.shape[0], device=query.device)[:, None]
+    k_pos = torch.arange(key.shape[0], device=query.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= (q_pos - k_pos) < sliding_window
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.float()[:, None, None] * (k_pos - q_pos)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1)
+
+
+class ReferenceAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None):
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head size {head_size} is not supported; supported head sizes: {SUPPORTED_HEAD_SIZES}")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window)
+        self._alibi = torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
+
+    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0):
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        if kv_cache is not None:
+            write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
+        alibi = self._alibi.to(query.device) if self._alibi is not None else None
+        out = torch.empty_like(q)
+        token = 0
+        for i, (q_len, seq_len) in enumerate(zip(attn_metadata.query_lens, attn_metadata.seq_lens)):
+            context_len = seq_len - q_len
+            if kv_cache is not None:
+                k, v = gather_from_paged_cache(
+                    kv_cache, attn_metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size
+                )
+            elif context_len == 0:
+                k = key[token:token + q_len].view(q_len, self.num_kv_heads, self.head_size)
+                v = value[token:token + q_len].view(q_len, self.num_kv_heads, self.head_size)
+            else:
+                raise ValueError("without a KV cache every sequence must have an empty context")
+            out[token:token + q_len] = attend(
+                q[token:token + q_len], k, v, context_len, self.scale, self.sliding_window, alibi
+            ).to(out.dtype)
+            token += q_len
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """Pure torch, CPU and GPU; float32 softmax; a Python loop over sequences."""
+
+    name = "reference"
+
+    @staticmethod
+    def get_impl_cls():
+        return ReferenceAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size * num_kv_heads * head_size)
+
+    @staticmethod
+    def get_supported_head_sizes():
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def unusable_reason(cls, device):
+        return None

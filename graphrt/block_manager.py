@@ -1,0 +1,308 @@
+"""Paged KV-cache bookkeeping: which physical cache blocks each sequence owns.
+
+The KV cache is one big array of ``num_blocks`` physical blocks, each holding
+``block_size`` token positions. A *block id* is an index into that array; a
+*slot* is a flat token index into it, ``block_id * block_size + offset``, and
+is what the attention kernels use to write a token's key/value. A sequence's
+*block table* lists, in order, the block ids holding its positions
+``0..block_size-1``, ``block_size..2*block_size-1``, and so on.
+
+Nothing here touches tensors: this module only decides ids, and returns
+``(src, dst)`` pairs when the caller must copy a block's cache contents.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "NoFreeBlocksError",
+    "BlockAllocator",
+    "BlockManager",
+]
+
+# Block 0 is reserved: padding rows of captured CUDA graphs need *some* valid
+# block to point their slot mappings and block tables at, and writes there must
+# never land in a live sequence's cache. So it is never handed out.
+NULL_BLOCK_ID = 0
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The allocator has no free block left for a request; nothing was changed.
+
+    This is a capacity condition the scheduler is expected to avoid (check
+    ``can_allocate``/``can_grow`` first) or handle by preempting a sequence.
+    """
+
+
+class BlockAllocator:
+    """Reference-counted pool of physical KV-cache block ids.
+
+    Usable block ids are ``1 .. num_blocks - 1``; :data:`NULL_BLOCK_ID` (0) is
+    reserved and never handed out, forked or freed. A block is *free* when its
+    reference count is 0 and *allocated* when it is 1 or more (more than 1
+    means several block tables share it).
+
+    Allocation order is LIFO and deterministic: a fresh allocator hands out
+    1, 2, 3, ...; a freed block is the next one handed out. LIFO reuses blocks
+    that were just touched, and makes runs reproducible.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be an int >= 2 (block {NULL_BLOCK_ID} is reserved), "
+                f"got {num_blocks!r}"
+            )
+        self._num_blocks = num_blocks
+        # Index = block id. The null block's count stays 0 forever; it is
+        # simply never in the free stack.
+        self._ref_counts = [0] * num_blocks
+        # Stack of free ids; the top (end) is handed out next. Built reversed
+        # so a fresh allocator yields 1, 2, 3, ...
+        self._free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))
+
+    @property
+    def num_blocks(self) -> int:
+        """Total physical blocks, including the reserved null block."""
+        return self._num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self._num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with reference count 0, available to :meth:`allocate`."""
+        return len(self._free)
+
+    def _check_id(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or not 0 <= block_id < self._num_blocks:
+            raise ValueError(
+                f"block id {block_id!r} is out of range 0..{self._num_blocks - 1}"
+            )
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id`` (0 = free; always 0 for the null block)."""
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+
+    def allocate(self) -> int:
+        """Take a free block; it gets reference count 1.
+
+        Raises :class:`NoFreeBlocksError` when none is free.
+        """
+        if not self._free:
+            raise NoFreeBlocksError(
+                f"no free KV-cache block (all {self.num_usable_blocks} usable blocks in use)"
+            )
+        block_id = self._free.pop()
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def fork(self, block_id: int) -> int:
+        """Add one more holder to an allocated block and return its id.
+
+        Raises ValueError for the null block or a free block: sharing a block
+        nobody owns would let it be handed out again while still referenced.
+        """
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID:
+            raise ValueError(f"cannot fork the reserved null block {NULL_BLOCK_ID}")
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"cannot fork block {block_id}: it is free")
+        self._ref_counts[block_id] += 1
+        return block_id
+
+    def free(self, block_id: int) -> None:
+        """Drop one holder of ``block_id``; at 0 it returns to the free pool.
+
+        Raises ValueError (and changes nothing) for the null block or a block
+        that is already free, so a double free is caught instead of putting a
+        block in the pool twice.
+        """
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID:
+            raise ValueError(f"cannot free the reserved null block {NULL_BLOCK_ID}")
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"double free of block {block_id}: it is already free")
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free.append(block_id)
+
+
+class BlockManager:
+    """Per-sequence block tables over a :class:`BlockAllocator`.
+
+    Sequences are identified by an int ``seq_id`` chosen by the caller.
+    Position ``p`` of a sequence lives in block ``table[p // block_size]`` at
+    offset ``p % block_size``. Tables only grow (until :meth:`free`).
+
+    Forked sequences share blocks copy-on-write: before writing the token at
+    position ``p`` the caller calls :meth:`prepare_write`; if that block is
+    shared it is swapped for a private copy and the caller must copy the
+    cache contents from ``src`` to ``dst`` before writing.
+
+    Errors: an unknown ``seq_id`` raises KeyError; re-using an existing one
+    raises ValueError; a position outside the table raises IndexError; lack of
+    blocks raises :class:`NoFreeBlocksError`. Every failing call leaves the
+    state unchanged.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self._tables: dict[int, list[int]] = {}
+
+    # ---- capacity -------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free in the underlying allocator."""
+        return self.allocator.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self.allocator.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks required to hold ``num_tokens`` positions (ceil division)."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether :meth:`allocate` for ``num_tokens`` would succeed now."""
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+
+    def _extra_blocks(self, seq_id: int, num_tokens: int) -> int:
+        return max(0, self.blocks_needed(num_tokens) - len(self._table(seq_id)))
+
+    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether :meth:`grow` to ``num_tokens`` total would succeed now."""
+        return self._extra_blocks(seq_id, num_tokens) <= self.num_free_blocks
+
+    # ---- table lifecycle ------------------------------------------------
+
+    def has(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` currently has a block table."""
+        return seq_id in self._tables
+
+    def _table(self, seq_id: int) -> list[int]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id} has no block table") from None
+
+    def _take(self, count: int) -> list[int]:
+        # Check before taking anything so a failure never leaves a partial
+        # allocation behind (all-or-nothing).
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"need {count} KV-cache blocks, only {self.num_free_blocks} free"
+            )
+        return [self.allocator.allocate() for _ in range(count)]
+
+    def allocate(self, seq_id: int, num_tokens: int) -> None:
+        """Create a table for ``seq_id`` with room for ``num_tokens`` positions.
+
+        All-or-nothing: raises :class:`NoFreeBlocksError` without allocating
+        anything when there are too few free blocks; raises ValueError when
+        ``seq_id`` already has a table.
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        self._tables[seq_id] = self._take(self.blocks_needed(num_tokens))
+
+    def grow(self, seq_id: int, num_tokens: int) -> None:
+        """Extend ``seq_id``'s table to hold ``num_tokens`` positions in total.
+
+        Appends fresh (unshared) blocks as needed; never shrinks. All-or-
+        nothing. Writing into an existing shared block still needs
+        :meth:`prepare_write`.
+        """
+        table = self._table(seq_id)
+        table.extend(self._take(self._extra_blocks(seq_id, num_tokens)))
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` a table sharing all of ``parent_id``'s blocks.
+
+        Needs no free block: each shared block's reference count goes up by 1.
+        """
+        parent = self._table(parent_id)
+        if child_id in self._tables:
+            raise ValueError(f"sequence {child_id} already has a block table")
+        self._tables[child_id] = [self.allocator.fork(b) for b in parent]
+
+    def prepare_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
+        """Make the block holding ``position`` private to ``seq_id`` (copy-on-write).
+
+        Returns None when the block is already private. When it is shared,
+        a fresh block replaces it in this table only and ``(src_block,
+        dst_block)`` is returned: the caller must copy the cache contents of
+        ``src_block`` into ``dst_block`` before writing. Raises
+        :class:`NoFreeBlocksError` (nothing changed) when a copy is needed but
+        no block is free.
+        """
+        table = self._table(seq_id)
+        index = self._block_index(table, position)
+        src = table[index]
+        if self.allocator.ref_count(src) == 1:
+            return None
+        dst = self.allocator.allocate()
+        # The other holders keep ``src``; this sequence just stops holding it.
+        self.allocator.free(src)
+        table[index] = dst
+        return src, dst
+
+    def free(self, seq_id: int) -> None:
+        """Drop ``seq_id``'s table, releasing one reference to each of its blocks."""
+        table = self._table(seq_id)
+        del self._tables[seq_id]
+        # Release back to front: with the LIFO allocator, the sequence's first
+        # block ends on top of the free stack, so a re-allocation of the same
+        # size gets the same table back.
+        for block_id in reversed(table):
+            self.allocator.free(block_id)
+
+    # ---- lookups ---------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of ``seq_id``'s physical block ids, in position order."""
+        return list(self._table(seq_id))
+
+    def _block_index(self, table: list[int], position: int) -> int:
+        if not isinstance(position, int) or not 0 <= position < len(table) * self.block_size:
+            raise IndexError(
+                f"position {position!r} is outside the block table "
+                f"(capacity {len(table) * self.block_size} positions)"
+            )
+        return position // self.block_size
+
+    def slot(self, seq_id: int, position: int) -> int:
+        """Flat KV-cache slot of ``seq_id``'s token at ``position``.
+
+        ``table[position // block_size] * block_size + position % block_size``;
+        IndexError when the position is beyond the table.
+        """
+        table = self._table(seq_id)
+        index = self._block_index(table, position)
+        return table[index] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slots of positions ``start`` (inclusive) to ``end`` (exclusive).
+
+        IndexError unless ``0 <= start <= end <= capacity``.
+        """
+        table = self._table(seq_id)
+        capacity = len(table) * self.block_size
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= capacity):
+            raise IndexError(
+                f"positions [{start!r}, {end!r}) are outside the block table "
+                f"(capacity {capacity} positions)"
+            )
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]

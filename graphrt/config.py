@@ -1,0 +1,222 @@
+"""Configuration objects: the model's architecture and the engine's runtime settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+#: Architectures the Llama-family decoder implements, by the name HF writes in ``config.json``.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3's frequency-dependent rotary scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+
+    Field names follow HF's ``config.json`` so that a checkpoint's config maps onto this one directly.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    #: Bias on the q/k/v projections (always on for Qwen2, optional for Llama).
+    attention_bias: bool = False
+    #: Each token attends to itself and the ``sliding_window - 1`` tokens before it; None = full.
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; graphrt implements "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count, embeddings included once when tied."""
+        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from the contents of an HF ``config.json``."""
+        architectures = config.get("architectures") or [None]
+        arch = architectures[0]
+        if arch is None:
+            model_type = config.get("model_type")
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM"}.get(model_type, str(model_type))
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            layers = int(config["num_hidden_layers"])
+            intermediate = int(config["intermediate_size"])
+            vocab = int(config["vocab_size"])
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        # transformers 5 writes "rope_parameters" (theta included); older versions "rope_scaling".
+        rope_parameters = config.get("rope_parameters") or {}
+        rope_scaling = _parse_rope_scaling(config.get("rope_scaling") or rope_parameters)
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r}; graphrt implements 'silu'")
+        if config.get("mlp_bias"):
+            raise ConfigError("MLP biases (mlp_bias: true) are not supported")
+        sliding_window = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            sliding_window = None
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_theta = config.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    rope_type = raw.get("rope_type", raw.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ConfigError(f"unsupported rope_scaling type {rope_type!r}; graphrt implements 'llama3'")
+    return RopeScaling(
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw["low_freq_factor"]),
+        high_freq_factor=float(raw["high_freq_factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Map a dtype name (or ``"auto"``: bfloat16 on CUDA, float32 on CPU) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None picks CUDA when present; asking for CUDA without one is an error."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"unsupported device {str(device)!r}; graphrt runs on cpu or cuda")
+    return device
+
+
+@dataclass
+class EngineConfig:
+    """Runtime settings of one engine instance (what ``graphrt.LLM`` takes beyond the model)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = "auto"
+    max_num_seqs: int = 256
+    #: Longest sequence (prompt + generated); None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    #: Tokens per KV-cache block.
+    block_size: int = 16
+    #: Most tokens one forward pass takes (prefill chunks are not split: a prompt must fit).
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    #: Number of KV blocks; None = derived from the memory budget below.
+    num_kv_blocks: int | None = None
+    #: CUDA: fraction of total device memory graphrt may use (weights, activations, cache).
+    gpu_memory_utilization: float = 0.9
+    #: CPU: bytes the KV cache may take; None = enough for max_num_seqs full sequences, capped at 4 GiB.
+    kv_cache_bytes: int | None = None
+    #: Attention backend by name; None = the best usable one for the device.
+    attention_backend: str | None = None
+    #: Seed for requests that give none (their seeds are drawn from it).
+    seed: int = 0
+    #: Extra keyword arguments for the model loader (e.g. random presets' init scale).
+    loader_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be at least 2 (one is the null block), got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,79 @@
+"""Hugging Face model directories: ``config.json`` plus one or many ``*.safetensors`` files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..errors import ConfigError, ModelLoadError
+from ..tokenizer import Tokenizer
+
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+@dataclass
+class HFCheckpoint:
+    """A model directory in HF layout. Tensors are read lazily, one at a time, from safetensors."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    weight_files: list[Path]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, CPU tensor in the checkpoint's dtype) for every tensor of every weight file."""
+        for file in self.weight_files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def num_tensors(self) -> int:
+        count = 0
+        for file in self.weight_files:
+            with safe_open(str(file), framework="pt") as f:
+                count += len(f.keys())
+        return count
+
+
+def read_hf_dir(path: str | Path) -> HFCheckpoint:
+    """Open an HF model directory; refuses pickle ``.bin`` weights, which can run code on load."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from None
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ConfigError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    return HFCheckpoint(path, config, Tokenizer.from_hf_dir(path), _weight_files(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index} names weight files that are missing: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any((path / name).exists() for name in _PICKLE_WEIGHTS) or any(path.glob("*.bin")):
+        raise ModelLoadError(
+            f"{path} holds only pickle (.bin/.pt) weights, which graphrt refuses to load because unpickling "
+            "can run arbitrary code; convert them to safetensors (e.g. with transformers: "
+            "model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise ModelLoadError(f"{path} has no *.safetensors weight files")

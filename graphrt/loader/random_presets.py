@@ -1,0 +1,73 @@
+"""Random-weight models with real models' shapes, for benchmarks and tests without weight files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig, RopeScaling
+from ..errors import ModelLoadError
+
+PREFIX = "random:"
+
+_LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "smollm2-135m": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "llama-3.2-1b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama-3-8b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_ids=(128001, 128009),
+    ),
+}
+
+
+@dataclass
+class RandomCheckpoint:
+    """A preset's shape; weights are drawn on the target device, N(0, init_std) for matrices."""
+
+    name: str
+    config: ModelConfig
+    init_std: float = 0.02
+    seed: int = 0
+    tokenizer: None = None
+
+    def initialize(self, model: torch.nn.Module) -> None:
+        """Fill every parameter in place: norms with 1, biases with 0, matrices with N(0, init_std)."""
+        first = next(model.parameters())
+        generator = torch.Generator(device=first.device).manual_seed(self.seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, self.init_std, generator=generator)
+
+
+def read_random_preset(spec: str, init_std: float = 0.02, seed: int = 0) -> RandomCheckpoint:
+    """``spec`` is ``random:NAME`` with NAME one of PRESETS."""
+    name = spec[len(PREFIX):]
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown random preset {name!r}; presets: {', '.join(PREFIX + p for p in PRESETS)}")
+    return RandomCheckpoint(name, PRESETS[name], init_std, seed)

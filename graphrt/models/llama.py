@@ -1,0 +1,188 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) with fused QKV and gate/up projections.
+
+Every layer reads the step's ``AttentionMetadata`` (tokens of all sequences flattened: prefills first,
+then decodes) and its own paged KV cache, so one forward serves any mix of prefill and decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from graphrt.attention import AttentionBackend, AttentionMetadata
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from .layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: type[AttentionBackend], dtype, device):
+        super().__init__()
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # q, k and v in one GEMM: rows [0, q) are q, then k, then v.
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias, dtype=dtype, device=device
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.attn = backend.get_impl_cls()(
+            num_heads=config.num_attention_heads,
+            head_size=config.head_dim,
+            scale=config.head_dim**-0.5,
+            num_kv_heads=config.num_key_value_heads,
+            sliding_window=config.sliding_window,
+        )
+
+    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        # gate and up in one GEMM: rows [0, I) are gate, [I, 2I) up.
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary, backend, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(self, positions, hidden, kv_cache, attn_metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head. Parameter names follow HF's, with q/k/v and gate/up fused."""
+
+    #: HF checkpoint names folded into a fused parameter: (suffix, fused suffix, shard index).
+    _FUSED_SHARDS = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: type[AttentionBackend],
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # One rotary table shared by all layers; cos/sin stay float32 for precision.
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, backend, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, hidden]: the output projection (the embedding table when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor | None],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, V] float32."""
+        return nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every parameter must be set.
+
+        Raises ModelLoadError naming any missing, unexpected or mis-shaped tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            target, shard = self._target_of(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
+            param = params[target]
+            if shard is None:
+                dest = param.data
+            else:
+                dest = self._shard_view(target, param.data, shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.setdefault(target, set()).add(shard)
+        missing = [n for n in params if len(loaded.get(n, ())) < self._num_shards(n)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+
+    def _target_of(self, name: str) -> tuple[str | None, int | None]:
+        """Map an HF tensor name to (our parameter name, shard index or None); (None, None) = skip."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None, None  # older checkpoints store the rotary table; we compute our own
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None, None  # tied: the embedding table is the head
+        if name.startswith("model."):
+            name = name[len("model."):]
+        for suffix, (fused, shard) in self._FUSED_SHARDS.items():
+            marker = "." + suffix + "."
+            if marker in "." + name:
+                return name.replace(suffix, fused), shard
+        return name, None
+
+    @staticmethod
+    def _num_shards(name: str) -> int:
+        """How many checkpoint tensors make up parameter ``name``."""
+        if "qkv_proj" in name:
+            return 3
+        return 2 if "gate_up_proj" in name else 1
+
+    def _shard_view(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        """Rows of a fused parameter (weight [out, in] or bias [out]) that shard ``shard`` occupies."""
+        if "qkv_proj" in name:
+            sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return data[start:start + sizes[shard]]

@@ -1,0 +1,32 @@
+"""What the engine returns per request."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (streaming) or at the end (``generate``).
+
+    ``token_ids`` holds every token generated so far, a final stop token included; ``text`` is their
+    decoding without special tokens (None for models without a tokenizer). ``finish_reason`` is None
+    while the request runs, then ``"stop"``, ``"length"`` or ``"error"`` (with ``error`` saying why;
+    such a request was never run).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,100 @@
+"""Continuous batching: each step runs every running sequence's next decode plus as many waiting
+prefills as blocks, ``max_num_seqs`` and the token budget allow. When blocks run out the newest
+running sequence is preempted: its blocks are freed and it is recomputed later (no request is lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: ``prefills`` (whole remaining tokens) first, then ``decodes`` (one token)."""
+
+    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        #: In arrival order, so the last one is the newest (the one preemption takes).
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_decodes(out)
+        # After a preemption the cache is full: admitting prompts now would only evict them again.
+        if not out.preempted:
+            self._schedule_prefills(out, token_budget=self.max_num_batched_tokens - len(out.decodes))
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            # The token decoded this step sits at position num_tokens - 1: the table must cover it.
+            while not self.block_manager.can_grow(seq.seq_id, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return
+            self.block_manager.grow(seq.seq_id, seq.num_tokens)
+            out.decodes.append(seq)
+            index += 1
+
+    def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > token_budget or not self.block_manager.can_allocate(seq.num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            token_budget -= seq.num_tokens
+            self._insert_running(seq)
+            out.prefills.append(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        """Keep ``running`` in arrival order (a recomputed sequence is older than newer arrivals)."""
+        position = len(self.running)
+        while position > 0 and self.running[position - 1].seq_id > seq.seq_id:
+            position -= 1
+        self.running.insert(position, seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        # Preempted sequences are older than every queued one, so they go to the front.
+        self.waiting.appendleft(seq)
+
+    def finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After tokens were appended: release finished sequences' blocks; returns those finished."""
+        finished = [s for s in seqs if s.is_finished]
+        for seq in finished:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        return finished

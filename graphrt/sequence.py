@@ -1,0 +1,63 @@
+"""A request's state as it moves through the engine: tokens, sampling, status and cache progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is prefilled or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS or stop token was generated (it is the last output token)
+    LENGTH = "length"  # max_tokens reached, or the sequence reached max_model_len
+    ERROR = "error"  # the request was rejected; see RequestOutput.error
+
+
+@dataclass
+class Sequence:
+    """One request. ``seq_id`` orders arrivals: a larger id arrived later (preemption takes the newest)."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    #: The seed its random draws use: its own, or one the engine drew for it on arrival.
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    #: Tokens whose K/V are in the cache; reset to 0 on preemption (the cache is recomputed).
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token; finish the sequence when a stop condition holds."""
+        self.output_token_ids.append(token_id)
+        stop_ids = self.params.stop_token_ids
+        if token_id in stop_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not None:
+            self.status = SequenceStatus.FINISHED
