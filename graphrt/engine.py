@@ -1,0 +1,218 @@
+"""The engine: owns the model, KV cache, scheduler and runner; takes requests and advances them a step
+at a time (``add_request`` / ``step``), which is also what ``LLM.generate`` loops over."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import torch
+
+from graphrt.attention import get_attention_backend
+
+from .block_manager import BlockManager
+from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .errors import ConfigError, InvalidRequestError
+from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
+from .loader import load_weights_into, open_checkpoint
+from .model_runner import ModelRunner
+from .models.llama import LlamaForCausalLM
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Longest single sequence the GPU memory profile prefills (the batch is split into such sequences).
+_PROFILE_SEQ_LEN = 2048
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        checkpoint = open_checkpoint(config.model, **config.loader_options)
+        self.model_config: ModelConfig = checkpoint.config
+        self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
+        self.attention_backend = get_attention_backend(config.attention_backend, self.device)
+        try:
+            model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device)
+        except ValueError as exc:  # e.g. a head size the attention backend cannot run
+            raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
+        load_weights_into(model, checkpoint, progress=progress)
+        self.model = model.eval()
+
+        num_blocks = self._choose_num_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        kv_caches = allocate_kv_caches(
+            self.model_config, self.attention_backend, num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self._seed_source = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        logger.info(
+            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s",
+            self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size,
+            self.max_model_len, self.attention_backend.name,
+        )
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and enqueue a request; returns its id. Raises InvalidRequestError (nothing enqueued)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        seq_id = next(self._seq_ids)
+        request_id = str(seq_id) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_source.randrange(2**63)
+        seq = Sequence(
+            seq_id=seq_id, request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
+            eos_token_ids=self._eos_token_ids(), prompt=text,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the requests that got a token (finished ones included)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler found no runnable request although requests are pending")
+            return []
+        seqs = scheduled.prefills + scheduled.decodes
+        token_ids = self.runner.execute(scheduled.prefills, scheduled.decodes)
+        for seq, token_id in zip(seqs, token_ids):
+            seq.append_token(token_id, self.max_model_len)
+        for seq in self.scheduler.finish_step(seqs):
+            del self._requests[seq.request_id]
+        return [self._output_of(seq) for seq in seqs]
+
+    def error_output(self, prompt: str | list[int], error: Exception, request_id: str) -> RequestOutput:
+        """The output of a request rejected by ``add_request``."""
+        is_text = isinstance(prompt, str)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt if is_text else None,
+            prompt_token_ids=[] if is_text else list(prompt),
+            finish_reason="error",
+            error=str(error),
+        )
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"model {self.config.model!r} has no tokenizer: pass prompts as token ids (--prompt-ids)"
+                )
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers, got {bad[0]!r}")
+        return None, list(prompt)
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in token_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidRequestError(f"token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
+                "which leaves no room for a generated token"
+            )
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_usable_blocks:
+            raise InvalidRequestError(
+                f"request may grow to {longest} tokens ({needed} KV blocks) but the cache has only "
+                f"{self.block_manager.num_usable_blocks} blocks; lower max_tokens or enlarge the cache"
+            )
+        too_big = [t for t in params.stop_token_ids if t >= vocab]
+        if too_big:
+            raise InvalidRequestError(f"stop token id {too_big[0]} is outside the vocabulary [0, {vocab})")
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.model_config.eos_token_ids)
+
+    def _output_of(self, seq: Sequence) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"max_model_len {wanted} exceeds the model's max_position_embeddings ({limit})")
+        return wanted
+
+    def _choose_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cpu":
+            if cfg.kv_cache_bytes is not None:
+                return num_blocks_for_bytes(cfg.kv_cache_bytes, self.model_config, cfg.block_size, self.dtype)
+            return default_cpu_num_blocks(
+                self.model_config, cfg.block_size, self.dtype, cfg.max_num_seqs, self.max_model_len
+            )
+        return self._profile_gpu_num_blocks()
+
+    def _profile_gpu_num_blocks(self) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the device after weights and the activation
+        peak of a full-budget prefill (measured), minus memory other processes hold."""
+        probe = ModelRunner(self.model, [], self.attention_backend, BlockManager(2, self.config.block_size), self.device)
+        torch.cuda.empty_cache()
+        peak = probe.profile_peak_memory(self.max_num_batched_tokens, min(self.max_model_len, _PROFILE_SEQ_LEN))
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - held_elsewhere
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if budget < 2 * per_block:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache (weights and activations peak at {peak / 2**30:.2f} GiB); "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens / max_model_len"
+            )
+        return budget // per_block

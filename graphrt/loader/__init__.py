@@ -1,0 +1,51 @@
+"""Model sources: HF directories, GGUF files, random-weight presets; one entry point to open any."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ModelLoadError
+from .gguf_file import GGUFCheckpoint, default_model_path, read_gguf
+from .hf_dir import HFCheckpoint, read_hf_dir
+from .random_presets import PREFIX as RANDOM_PREFIX
+from .random_presets import PRESETS as RANDOM_PRESETS
+from .random_presets import RandomCheckpoint, read_random_preset
+
+Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, RandomCheckpoint]
+
+
+def open_checkpoint(spec: str | None, init_std: float = 0.02, seed: int = 0) -> Checkpoint:
+    """Resolve a ``--model`` value: None (the default SmolLM2 GGUF), ``random:NAME``, a ``.gguf`` file
+    or an HF directory. Only metadata is read here; weights stream in ``load_weights_into``."""
+    if spec is None:
+        return read_gguf(default_model_path())
+    if spec.startswith(RANDOM_PREFIX):
+        return read_random_preset(spec, init_std=init_std, seed=seed)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {spec!r} not found: give an HF model directory, a .gguf file, or one of "
+            f"{', '.join(RANDOM_PREFIX + p for p in RANDOM_PRESETS)}"
+        )
+    if path.is_dir():
+        return read_hf_dir(path)
+    return read_gguf(path)
+
+
+def load_weights_into(model: torch.nn.Module, checkpoint: Checkpoint, progress: bool = True) -> None:
+    """Fill ``model``'s parameters from the checkpoint, with a progress bar on stderr."""
+    if isinstance(checkpoint, RandomCheckpoint):
+        checkpoint.initialize(model)
+        return
+    tensors = tqdm(
+        checkpoint.tensors(), total=checkpoint.num_tensors(), desc="loading weights", unit="tensor",
+        disable=not progress, leave=False,
+    )
+    model.load_weights(tensors)
+
+
+__all__ = ["Checkpoint", "open_checkpoint", "load_weights_into", "RANDOM_PRESETS"]

@@ -1,0 +1,129 @@
+"""Every kind of bad input gets an error that names the problem; the rest of a batch still completes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphrt import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
+from graphrt.cli import main
+
+TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False, max_model_len=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**TINY)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "prompt is empty"),
+        ([1] * 64, "prompt has 64 tokens but max_model_len is 64"),
+        ([1, 2, 512], "token id 512 is outside the vocabulary [0, 512)"),
+        ([1, -3], "token id -3 is outside the vocabulary"),
+        ([1, 2.5], "prompt token ids must be integers"),
+        ("hello", "has no tokenizer"),
+        (12, "a prompt must be a string or a list of token ids"),
+    ],
+)
+def test_bad_prompt_is_rejected_by_name(llm, prompt, message):
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.add_request(prompt, GREEDY)
+    assert message in str(err.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_requests_do_not_stop_the_batch(llm):
+    good = [[5, 6, 7], [8, 9]]
+    outputs = llm.generate([good[0], [], [1, 9999], good[1]], GREEDY)
+    assert [o.finish_reason for o in outputs] == ["length", "error", "error", "length"]
+    assert "prompt is empty" in outputs[1].error
+    assert "token id 9999 is outside the vocabulary" in outputs[2].error
+    alone = llm.generate(good, GREEDY)
+    assert [outputs[0].token_ids, outputs[3].token_ids] == [o.token_ids for o in alone]
+
+
+def test_request_larger_than_the_cache_is_rejected():
+    small = LLM(**TINY, num_kv_blocks=3)  # 2 usable blocks = 32 tokens
+    with pytest.raises(InvalidRequestError, match="cache has only 2 blocks"):
+        small.engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", 0), ("temperature", -1.0), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("seed", -1)],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_token_outside_vocab_is_rejected(llm):
+    with pytest.raises(InvalidRequestError, match="stop token id 700"):
+        llm.engine.add_request([1, 2], SamplingParams(stop_token_ids=[700]))
+
+
+def test_unknown_model_path():
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLM("/no/such/model", device="cpu", progress=False)
+
+
+def test_unknown_random_preset():
+    with pytest.raises(ModelLoadError, match="unknown random preset 'huge'"):
+        LLM("random:huge", device="cpu", progress=False)
+
+
+def _write_config(path, **overrides):
+    config = dict(
+        architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=64, max_position_embeddings=128,
+    )
+    config.update(overrides)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_architecture(tmp_path):
+    _write_config(tmp_path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+def test_unsupported_head_size(tmp_path):
+    _write_config(tmp_path, head_dim=48, num_attention_heads=2)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="head size 48 is not supported"):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    _write_config(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ModelLoadError, match="pickle"):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+def test_cli_reports_errors_without_traceback(capsys):
+    assert main(["generate", "--model", "/no/such/model", "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphrt: error: model '/no/such/model' not found")
+    assert "Traceback" not in err
+
+
+def test_cli_bad_request_exits_nonzero_but_prints_the_good_ones(capsys):
+    code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "3",
+                 "--prompt-ids", "1,2,3", "--prompt-ids", "1,600", "--json"])
+    captured = capsys.readouterr()
+    assert code == 1
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["finish_reason"] for line in lines] == ["length", "error"]
+    assert len(lines[0]["token_ids"]) == 3
+    assert "prompt 2: token id 600 is outside the vocabulary" in captured.err
+
+
+def test_cli_invalid_sampling_parameter(capsys):
+    assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err

