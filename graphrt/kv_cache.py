@@ -10,7 +10,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 #: CPU default cap on KV-cache bytes when the config gives neither a block count nor a byte budget.
-DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

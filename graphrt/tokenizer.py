@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -50,9 +50,7 @@ def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
 def _digits_then_gpt2_pre() -> pre_tokenizers.PreTokenizer:
     # SmolLM/StarCoder: every digit isolated first, then GPT-2's split on each piece. This is both
     # llama.cpp's `smollm` rule (regexes "\p{N}" then GPT-2's) and the original tokenizer.json.
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
 
 
 def _split_pre(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
@@ -68,17 +66,28 @@ def _split_pre(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
     return build
 
 
-#: ``tokenizer.ggml.pre`` value -> builder of the pre-tokenizer the original tokenizer used.
-_GGUF_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "default": _gpt2_pre,
-    "gpt2": _gpt2_pre,
-    "smollm": _digits_then_gpt2_pre,
-    "starcoder": _digits_then_gpt2_pre,
-    "llama-bpe": _split_pre(_LLAMA3_SPLIT),
-    "llama3": _split_pre(_LLAMA3_SPLIT),
-    "llama-v3": _split_pre(_LLAMA3_SPLIT),
-    "smaug-bpe": _split_pre(_LLAMA3_SPLIT),
-    "qwen2": _split_pre(_QWEN2_SPLIT),
+class _PreRule(NamedTuple):
+    """How llama.cpp treats a ``tokenizer.ggml.pre`` type, matching the original tokenizer.json."""
+
+    build: Callable[[], pre_tokenizers.PreTokenizer]
+    #: A pre-token that is itself in the vocabulary is taken whole, merges or not (Llama 3).
+    ignore_merges: bool = False
+    #: Whether BOS is prepended when the file has no ``tokenizer.ggml.add_bos_token``.
+    add_bos: bool = False
+
+
+_LLAMA3_RULE = _PreRule(_split_pre(_LLAMA3_SPLIT), ignore_merges=True, add_bos=True)
+
+#: ``tokenizer.ggml.pre`` value -> its rule.
+_GGUF_PRE_RULES: dict[str, _PreRule] = {
+    "default": _PreRule(_gpt2_pre),
+    "gpt2": _PreRule(_gpt2_pre),
+    "smollm": _PreRule(_digits_then_gpt2_pre),
+    "starcoder": _PreRule(_digits_then_gpt2_pre),
+    "llama-bpe": _LLAMA3_RULE,
+    "llama3": _LLAMA3_RULE,
+    "llama-v3": _LLAMA3_RULE,
+    "qwen2": _PreRule(_split_pre(_QWEN2_SPLIT)),
 }
 
 
@@ -158,10 +167,11 @@ class Tokenizer:
                 f"GGUF tokenizer model {model!r} is not supported; graphrt reads byte-level BPE ('gpt2') only"
             )
         pre = _field(reader, "tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_TOKENIZERS:
+        if pre not in _GGUF_PRE_RULES:
             raise ModelLoadError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; graphrt knows {', '.join(sorted(_GGUF_PRE_TOKENIZERS))}"
+                f"GGUF pre-tokenizer {pre!r} is not supported; graphrt knows {', '.join(sorted(_GGUF_PRE_RULES))}"
             )
+        rule = _GGUF_PRE_RULES[pre]
         tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
         merges: list[str] = _field(reader, "tokenizer.ggml.merges", [])
         token_types: list[int] = _field(reader, "tokenizer.ggml.token_type", [])
@@ -174,9 +184,10 @@ class Tokenizer:
             merges=[tuple(m.split(" ", 1)) for m in merges],
             fuse_unk=False,
             byte_fallback=False,
+            ignore_merges=rule.ignore_merges,
         )
         backend = BackendTokenizer(bpe)
-        backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
+        backend.pre_tokenizer = rule.build()
         backend.decoder = decoders.ByteLevel()
         # normalized=False: these are matched in the raw text, before byte-level mapping.
         backend.add_special_tokens(
@@ -198,8 +209,7 @@ class Tokenizer:
             bos_token=token_at("tokenizer.ggml.bos_token_id"),
             eos_tokens=eos,
             chat_template=_field(reader, "tokenizer.chat_template"),
-            # Byte-level vocabularies add no BOS unless the file says so (llama.cpp's default for gpt2).
-            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", rule.add_bos)),
         )
 
     # ------------------------------------------------------------------ text <-> ids

@@ -103,7 +103,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarray | None = None,
-                      seed: int = 0) -> dict[str, np.ndarray]:
+                      extra_tensor: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF (hidden 16, 4 q / 2 kv heads of 8, ffn 24, vocab 8) with q/k/v biases,
     an untied output, and one F16 tensor. Returns the HF-layout float32 tensors it encodes.
 
@@ -139,6 +139,8 @@ def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarr
     writer.add_tensor("output.weight", hf["lm_head.weight"])
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
+    if extra_tensor is not None:
+        writer.add_tensor(extra_tensor, np.zeros((2, 2), dtype=np.float32))
     shapes = {
         "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
         "attn_q.weight": (heads * head_dim, hidden), "attn_q.bias": (heads * head_dim,),
@@ -238,6 +240,13 @@ def test_truncated_file(tmp_path):
     path.write_bytes((tmp_path / "full.gguf").read_bytes()[:200])
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         read_gguf(path)
+
+
+def test_unexpected_tensor_refused(tmp_path):
+    # e.g. a Mixtral-style file that calls itself llama but holds expert weights
+    _write_tiny_llama(tmp_path / "moe.gguf", extra_tensor="blk.0.ffn_gate_exps.weight")
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_gate_exps.weight"):
+        read_gguf(tmp_path / "moe.gguf")
 
 
 def test_unsupported_architecture(tmp_path):

@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 from graphrt.errors import GraphrtError, InvalidRequestError, ModelLoadError
 from graphrt.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers")
-
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -72,7 +70,7 @@ STRINGS = [
 # separately below.
 SMOLLM_DEVIATIONS = {
     "  12": ["ĠĠ", "1", "2"],  # HF-GGUF: "Ġ", "Ġ", "1", "2"
-    "a\n\n 7": ["a", "ĊĊĠ", "7"] ,  # HF-GGUF: "a", "ĊĊ", "Ġ", "7"
+    "a\n\n 7": ["a", "ĊĊĠ", "7"],  # HF-GGUF: "a", "ĊĊ", "Ġ", "7"
     " ½": ["Ġ", "Â½"],  # HF-GGUF: "ĠÂ", "½"
 }
 
@@ -113,6 +111,7 @@ def smollm_reader() -> gguf.GGUFReader:
 @pytest.fixture(scope="module")
 def smollm_pair(smollm_reader) -> tuple[Tokenizer, object]:
     """(our tokenizer, HF's) for the real file."""
+    transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name)
     return Tokenizer.from_gguf(smollm_reader), hf
 
@@ -125,6 +124,7 @@ def pair(request, tmp_path_factory, smollm_reader, smollm_pair) -> tuple[str, To
         return (pre, *smollm_pair)
     path = tmp_path_factory.mktemp(pre) / "tok.gguf"
     _write_tokenizer_copy(smollm_reader, path, pre)
+    transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return pre, Tokenizer.from_gguf(gguf.GGUFReader(path)), hf
 
@@ -318,12 +318,16 @@ def test_from_hf_dir_post_processor_decides_bos(tmp_path):
 # ---------------------------------------------------------------------- GGUF errors
 
 
-def _write_tokenizer_gguf(path: Path, model: str = "gpt2", pre: str = "default") -> gguf.GGUFReader:
+def _write_tokenizer_gguf(path: Path, model: str = "gpt2", pre: str = "default", bos: int | None = None) -> gguf.GGUFReader:
+    """Vocabulary a, b, ab, abc, <s> with the one merge "a b": "abc" is unreachable by merges."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_list(["a", "b", "ab", "abc", "<s>", "c"])
+    writer.add_token_types([1, 1, 1, 1, 3, 1])
     writer.add_token_merges(["a b"])
+    if bos is not None:
+        writer.add_bos_token_id(bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -344,4 +348,12 @@ def test_gguf_non_bpe_tokenizer(tmp_path):
 def test_gguf_minimal_tokenizer(tmp_path):
     tok = Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf"))
     assert tok.encode("ab") == [2]
+    assert tok.encode("abc") == [2, 5]  # GPT-2 rule: merges only
     assert (tok.bos_token_id, tok.eos_token_ids, tok.chat_template, tok.add_bos_token) == (None, (), None, False)
+
+
+def test_gguf_llama3_rule(tmp_path):
+    # As llama.cpp and Llama 3's tokenizer.json: a pre-token in the vocabulary is taken whole
+    # (ignore_merges), and BOS is added when the file does not say otherwise.
+    tok = Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre="llama-bpe", bos=4))
+    assert tok.encode("abc") == [4, 3]

@@ -60,11 +60,13 @@ class RotaryEmbedding(nn.Module):
     Holds cos/sin tables for positions ``0 .. max_positions - 1`` so that a step only gathers rows.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None, device=None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling).to(device)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)  # [P, D/2]
         angles = torch.cat([angles, angles], dim=-1)  # [P, D]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

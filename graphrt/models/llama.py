@@ -94,7 +94,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device=device
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary, backend, dtype, device) for _ in range(config.num_hidden_layers)
         )
