@@ -7,6 +7,10 @@ sequence. Lengths have one meaning each (the seed's ``context_len`` had two):
 * ``context_lens[i]``: tokens of sequence ``i`` already in the KV cache before this step;
 * ``seq_lens[i] = context_lens[i] + query_lens[i]``: keys sequence ``i`` attends to after this step's
   writes.
+
+Metadata built for a captured CUDA graph has no host lengths (they change between replays): its
+``seq_lens`` host list is None and kernels read lengths from the device tensors, bounded by
+``max_decode_seq_len``, the captured maximum context.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ class AttentionMetadata:
     num_prefills: int
     num_prefill_tokens: int
     num_decode_tokens: int
-    #: Host copies, one entry per sequence.
+    #: Host copies, one entry per sequence; ``seq_lens`` is None in graph-captured metadata.
     query_lens: list[int]
-    seq_lens: list[int]
+    seq_lens: list[int] | None
     #: [T] int64: flat cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip.
     slot_mapping: torch.Tensor
     #: [B] int32, device copies of the host lists above.
@@ -46,10 +50,17 @@ class AttentionMetadata:
     kv_cache_dtype: str = "auto"
     #: True when this step replays a captured CUDA graph (tensors are the graph's static buffers).
     use_cuda_graph: bool = False
+    #: Upper bound on decoding sequences' seq_lens that fixes decode launch shapes (grids, split
+    #: counts, gathered blocks); 0 = the largest decode seq_len in ``seq_lens``.
+    max_decode_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_decode_seq_len and self.seq_lens is not None:
+            self.max_decode_seq_len = max(self.seq_lens[self.num_prefills:], default=0)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens)
+        return len(self.query_lens)
 
     @property
     def num_decodes(self) -> int:
@@ -62,7 +73,7 @@ class AttentionMetadata:
     @cached_property
     def context_lens(self) -> list[int]:
         """Host list: tokens of each sequence already cached before this step."""
-        return [s - q for s, q in zip(self.seq_lens, self.query_lens)]
+        return [s - q for s, q in zip(self._host_seq_lens(), self.query_lens)]
 
     @cached_property
     def max_query_len(self) -> int:
@@ -70,7 +81,12 @@ class AttentionMetadata:
 
     @cached_property
     def max_seq_len(self) -> int:
-        return max(self.seq_lens, default=0)
+        return max(self._host_seq_lens(), default=0)
+
+    def _host_seq_lens(self) -> list[int]:
+        if self.seq_lens is None:
+            raise RuntimeError("graph-captured metadata has no host seq_lens; read seq_lens_tensor")
+        return self.seq_lens
 
     @cached_property
     def prefill_metadata(self) -> AttentionMetadata | None:
@@ -95,7 +111,7 @@ class AttentionMetadata:
             num_prefill_tokens=end_token - first_token if is_prefill else 0,
             num_decode_tokens=0 if is_prefill else end_token - first_token,
             query_lens=self.query_lens[first_seq:end_seq],
-            seq_lens=self.seq_lens[first_seq:end_seq],
+            seq_lens=None if self.seq_lens is None else self.seq_lens[first_seq:end_seq],
             slot_mapping=self.slot_mapping[first_token:end_token],
             query_lens_tensor=self.query_lens_tensor[first_seq:end_seq],
             seq_lens_tensor=self.seq_lens_tensor[first_seq:end_seq],
@@ -105,6 +121,7 @@ class AttentionMetadata:
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
             use_cuda_graph=self.use_cuda_graph,
+            max_decode_seq_len=0 if is_prefill else self.max_decode_seq_len,
         )
 
     @classmethod
@@ -119,6 +136,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        max_decode_seq_len: int = 0,
     ) -> AttentionMetadata:
         """Build from host lists; copies go to ``device`` once, through pinned memory on CUDA.
 
@@ -159,4 +177,5 @@ class AttentionMetadata:
             block_tables=to_device(padded_tables, torch.int32).view(len(block_tables), width),
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
+            max_decode_seq_len=max_decode_seq_len,
         )

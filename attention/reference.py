@@ -77,6 +77,48 @@ def attend(
     return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1)
 
 
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged keys, batched, without host syncs: safe to capture.
+
+    query: [B, H, D], each at position ``seq_lens - 1``; block_tables: [B, M] int32; seq_lens: [B]
+    int32. Every row gathers the first ``ceil(max_seq_len / block_size)`` blocks of its table (a bound
+    fixed on the host, so shapes never depend on data) and masks keys at positions >= its seq_len.
+    Returns [B, H, D] float32.
+    """
+    batch, num_heads, head_size = query.shape
+    num_blocks = kv_cache.shape[1]
+    block_size = kv_cache.shape[2] // (num_kv_heads * head_size)
+    used_blocks = max(1, -(-max_seq_len // block_size))
+    table = block_tables[:, :used_blocks].long()  # [B, Mu]
+    cache = kv_cache.view(2, num_blocks, block_size, num_kv_heads, head_size)
+    keys = cache[0][table].reshape(batch, -1, num_kv_heads, head_size).float()  # [B, L, KVH, D]
+    values = cache[1][table].reshape(batch, -1, num_kv_heads, head_size).float()
+    group = num_heads // num_kv_heads
+    q = query.float().view(batch, num_kv_heads, group, head_size)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # [B, KVH, G, L]
+    k_pos = torch.arange(keys.shape[1], device=query.device)[None, :]  # [1, L]
+    q_pos = (seq_lens.long() - 1)[:, None]  # [B, 1]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= (q_pos - k_pos) < sliding_window
+    if alibi_slopes is not None:
+        bias = alibi_slopes.float().view(num_kv_heads, group)[None, :, :, None] * (k_pos - q_pos)[:, None, None, :]
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(batch, num_heads, head_size)
+
+
 class ReferenceAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None):
         if head_size not in SUPPORTED_HEAD_SIZES:
@@ -91,12 +133,28 @@ class ReferenceAttentionImpl(AttentionImpl):
             write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
         alibi = self._alibi.to(query.device) if self._alibi is not None else None
         out = torch.empty_like(q)
+        num_prefill_tokens = attn_metadata.num_prefill_tokens
+        prefill = attn_metadata.prefill_metadata
+        if prefill is not None:
+            self._prefill(q, key, value, kv_cache, prefill, alibi, out)
+        decode = attn_metadata.decode_metadata
+        if decode is not None:
+            if kv_cache is None:
+                raise ValueError("decoding needs a KV cache")
+            out[num_prefill_tokens:] = decode_attention(
+                q[num_prefill_tokens:], kv_cache, decode.block_tables, decode.seq_lens_tensor,
+                decode.max_decode_seq_len, self.num_kv_heads, self.scale, self.sliding_window, alibi,
+            ).to(out.dtype)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _prefill(self, q, key, value, kv_cache, metadata: AttentionMetadata, alibi, out) -> None:
+        """One sequence at a time (host lengths); prefills occupy the first tokens of the step."""
         token = 0
-        for i, (q_len, seq_len) in enumerate(zip(attn_metadata.query_lens, attn_metadata.seq_lens)):
+        for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
             context_len = seq_len - q_len
             if kv_cache is not None:
                 k, v = gather_from_paged_cache(
-                    kv_cache, attn_metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size
+                    kv_cache, metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size
                 )
             elif context_len == 0:
                 k = key[token:token + q_len].view(q_len, self.num_kv_heads, self.head_size)
@@ -107,7 +165,6 @@ class ReferenceAttentionImpl(AttentionImpl):
                 q[token:token + q_len], k, v, context_len, self.scale, self.sliding_window, alibi
             ).to(out.dtype)
             token += q_len
-        return out.view(num_tokens, self.num_heads * self.head_size)
 
 
 class ReferenceAttentionBackend(AttentionBackend):
