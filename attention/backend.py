@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .graph_state import DecodeGraphState
 from .metadata import AttentionMetadata
 
 
@@ -82,6 +83,33 @@ class AttentionBackend(ABC):
     @abstractmethod
     def unusable_reason(cls, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device``, or None when it can."""
+
+    # -- CUDA-graph hooks: the capture code sees backends only through these -----------------------
+
+    @classmethod
+    def init_graph_state(
+        cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device
+    ) -> DecodeGraphState:
+        """Allocate every static tensor decode graphs read, once, at the largest bucket."""
+        return DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device)
+
+    @classmethod
+    def graph_metadata(cls, state: DecodeGraphState, batch_size: int) -> AttentionMetadata:
+        """Metadata for capturing (and eagerly running) a decode of ``batch_size`` padded rows."""
+        return state.metadata(batch_size)
+
+    @classmethod
+    def refresh_graph_state(
+        cls,
+        state: DecodeGraphState,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        padded_batch_size: int,
+    ) -> None:
+        """Before a replay: copy the real rows in and make padding rows inert (slot -1, length 1,
+        null block)."""
+        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:

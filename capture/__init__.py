@@ -1,4 +1,17 @@
-"""CUDA-graph capture of the decode step (buckets, static input buffers, the graph runner).
+"""CUDA-graph capture of the decode step: batch-size buckets, the decode batch an engine hands over,
+and the graph runner (warm-up, capture, replay, eager fallback, stats)."""
 
-The runner itself lands with the graph-runner issue; the engine runs decode eagerly until then.
-"""
+from .buckets import choose_bucket, default_capture_sizes
+from .decode_batch import DecodeBatch
+from .graph_runner import SAMPLING_MODES, DecodeGraphRunner
+from .stats import DecodeStats, EagerReason
+
+__all__ = [
+    "DecodeBatch",
+    "DecodeGraphRunner",
+    "DecodeStats",
+    "EagerReason",
+    "SAMPLING_MODES",
+    "choose_bucket",
+    "default_capture_sizes",
+]

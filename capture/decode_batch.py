@@ -1,0 +1,44 @@
+"""One decode step's rows as an embedding engine hands them over (host side, one entry per row)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphrt.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeBatch:
+    """B rows, each decoding one token.
+
+    ``input_ids[i]`` is the token at ``positions[i]``; ``seq_lens[i] = positions[i] + 1`` keys are
+    attended after its K/V is written at ``slot_mapping[i]`` (block * block_size + offset);
+    ``block_tables[i]`` lists the row's physical KV blocks. Sampling: ``params[i]``, ``seeds[i]``
+    (the row's random stream) and ``steps[i]`` (index of this token within the row's output).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    params: list[SamplingParams]
+    seeds: list[int]
+    steps: list[int]
+    seq_lens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens:
+            self.seq_lens = [p + 1 for p in self.positions]
+        size = len(self.input_ids)
+        lengths = {name: len(getattr(self, name)) for name in
+                   ("positions", "block_tables", "slot_mapping", "params", "seeds", "steps", "seq_lens")}
+        wrong = {name: n for name, n in lengths.items() if n != size}
+        if wrong:
+            raise ValueError(f"decode batch has {size} input ids but {wrong}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)

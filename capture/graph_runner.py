@@ -1,0 +1,239 @@
+"""The decode graph runner: one CUDA graph per (padded batch size, sampling mode), captured once;
+every dynamic field lives in static tensors refreshed in place before each replay.
+
+A replay runs the whole decode step: embedding, every layer (attention reads the paged cache),
+logits and sampling. The only device-to-host copy per step is the sampled token ids.
+
+Rules kept (DESIGN.md §4): static tensors allocated once at the largest bucket; nothing allocated,
+synced or shaped by host data inside capture; padding rows inert (slot -1, length 1, null block);
+largest bucket captured first into one shared pool after side-stream warm-up; oversize batches,
+over-long contexts, ``enforce_eager`` and failed captures run eagerly and are counted in ``stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from graphrt.attention import AttentionBackend, AttentionMetadata
+from graphrt.sampler import SamplingTensors, sample
+
+from .buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
+from .decode_batch import DecodeBatch
+from .stats import DecodeStats, EagerReason
+
+logger = logging.getLogger(__name__)
+
+#: Graphs are captured per sampling mode: "greedy" is a bare argmax; "sample" runs the general path
+#: (temperature, top-k, top-p, greedy rows mixed in), which sorts the vocabulary.
+SAMPLING_MODES = ("greedy", "sample")
+
+
+class DecodeGraphRunner:
+    """Decode for a model over a paged KV cache, through CUDA graphs where it can.
+
+    Embeddable: a serving engine that owns its scheduler and block tables builds one over its model
+    and caches, calls ``capture()`` once, then ``decode(DecodeBatch)`` each step.
+
+    model: a ``graphrt.models.llama.LlamaForCausalLM`` (``forward(ids, positions, kv_caches,
+    metadata)`` and ``compute_logits``); kv_caches: one tensor per layer in ``backend``'s layout;
+    max_seq_len: the captured maximum context (rows longer than it run eagerly).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: type[AttentionBackend],
+        *,
+        block_size: int,
+        max_seq_len: int,
+        max_batch_size: int,
+        capture_sizes: list[int] | None = None,
+        enforce_eager: bool = False,
+        return_logits: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.device = device or next(model.parameters()).device
+        self.capture_sizes = validate_capture_sizes(capture_sizes or default_capture_sizes(max_batch_size))
+        self.max_batch_size = self.capture_sizes[-1]
+        self.return_logits = return_logits
+        self.stats = DecodeStats()
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        if enforce_eager:
+            self.eager_reason: str | None = EagerReason.ENFORCE_EAGER
+        elif self.device.type != "cuda":
+            self.eager_reason = EagerReason.NO_CUDA
+        else:
+            self.eager_reason = None
+
+        bs, pin = self.max_batch_size, self.device.type == "cuda"
+        self.graph_state = backend.init_graph_state(bs, max_seq_len, block_size, self.device)
+        self.input_ids = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
+        self.positions = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
+        self._host_tokens = torch.zeros(2, bs, dtype=torch.int64, pin_memory=pin)  # ids, positions
+        self.sampling = SamplingTensors.allocate(bs, self.device)
+        self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
+        vocab = model.config.vocab_size
+        self.logits = torch.zeros(bs, vocab, dtype=torch.float32, device=self.device) if return_logits else None
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.graph_state.max_seq_len
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self.eager_reason is None
+
+    # -- capture -----------------------------------------------------------------------------------
+
+    def capture(self, progress: bool = True) -> DecodeStats:
+        """Warm up, then capture every bucket, largest first, into one memory pool. A failure
+        leaves the runner eager with one warning; it never raises."""
+        if not self.uses_graphs:
+            return self.stats
+        start = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        self.graph_state.refresh([], [], [], self.max_batch_size)  # every row inert while capturing
+        keys = [(size, mode) for size in reversed(self.capture_sizes) for mode in SAMPLING_MODES]
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, both modes
+                        for _ in range(2):
+                            self._forward(size, mode)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                pool = torch.cuda.graph_pool_handle()
+                for size, mode in tqdm(keys, desc="capturing decode graphs", unit="graph",
+                                       disable=not progress, leave=False):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(size, mode)
+                    self.graphs[(size, mode)] = graph
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # any capture problem: run eagerly rather than crash
+            self.graphs.clear()
+            self.eager_reason = EagerReason.CAPTURE_FAILED
+            self.stats.capture_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("CUDA graph capture failed, decoding eagerly instead: %s", self.stats.capture_error)
+            return self.stats
+        self.stats.num_graphs = len(self.graphs)
+        self.stats.capture_seconds = time.perf_counter() - start
+        self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        logger.info(
+            "captured %d decode graphs (batch sizes %d..%d, context <= %d) in %.1f s, pool %.0f MiB",
+            self.stats.num_graphs, self.capture_sizes[0], self.max_batch_size, self.max_seq_len,
+            self.stats.capture_seconds, self.stats.pool_bytes / 2**20,
+        )
+        return self.stats
+
+    # -- decode ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> list[int]:
+        """Sample one token per row; returns them as host ints (the step's only device-to-host copy).
+
+        Not re-entrant: staging buffers are reused, and this call waits for its tokens, which also
+        guarantees the previous step's copies finished before the next overwrites staging.
+        """
+        reason = self._eager_reason_for(batch)
+        if reason is not None:
+            self.stats.eager_steps[reason] += 1
+        if reason in (EagerReason.BATCH_TOO_LARGE, EagerReason.CONTEXT_TOO_LONG):
+            return self._decode_unbuffered(batch)
+        if reason is not None:
+            # No graph to match: bound attention by this batch's longest row, not the captured maximum.
+            return self._decode_static(batch, len(batch), replay=False, max_seq_len=max(batch.seq_lens))
+        padded = choose_bucket(self.capture_sizes, len(batch))
+        self.stats.replays_per_bucket[padded] += 1
+        self.stats.padded_rows += padded - len(batch)
+        return self._decode_static(batch, padded, replay=True)
+
+    @torch.inference_mode()
+    def eager_decode(self, batch: DecodeBatch) -> list[int]:
+        """The step a replay would run (same padded bucket, static buffers and kernels) executed
+        without the graph: what replays are checked against. Not counted in ``stats``."""
+        padded = choose_bucket(self.capture_sizes, len(batch))
+        if padded is None or max(batch.seq_lens, default=0) > self.max_seq_len:
+            raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
+        return self._decode_static(batch, padded, replay=False)
+
+    def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
+        self._refresh(batch, padded)
+        mode = "greedy" if batch.all_greedy else "sample"
+        if replay:
+            self.graphs[(padded, mode)].replay()
+        else:
+            self._forward(padded, mode, max_seq_len)
+        return self.next_tokens[: len(batch)].tolist()
+
+    def last_logits(self, batch_size: int) -> torch.Tensor:
+        """[batch_size, V] float32 logits of the last decode (needs ``return_logits=True``)."""
+        if self.logits is None:
+            raise RuntimeError("this runner was built without return_logits=True")
+        return self.logits[:batch_size]
+
+    def _eager_reason_for(self, batch: DecodeBatch) -> str | None:
+        if len(batch) > self.max_batch_size:
+            return EagerReason.BATCH_TOO_LARGE
+        if max(batch.seq_lens, default=0) > self.max_seq_len:
+            return EagerReason.CONTEXT_TOO_LONG
+        return self.eager_reason
+
+    def _refresh(self, batch: DecodeBatch, padded: int) -> None:
+        size = len(batch)
+        host = self._host_tokens.numpy()
+        host[0, :size] = batch.input_ids
+        host[1, :size] = batch.positions
+        host[:, size:padded] = 0
+        self.input_ids[:padded].copy_(self._host_tokens[0, :padded], non_blocking=True)
+        self.positions[:padded].copy_(self._host_tokens[1, :padded], non_blocking=True)
+        self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping, padded)
+        SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device).copy_into(self.sampling)
+
+    def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
+        """The captured region: static inputs [:size] -> next_tokens[:size] (and logits).
+
+        ``max_seq_len`` lowers the attention bound below the captured maximum (eager runs only)."""
+        metadata = self.backend.graph_metadata(self.graph_state, size)
+        if max_seq_len is not None:
+            metadata.max_decode_seq_len = max_seq_len
+        self._run_model(self.input_ids[:size], self.positions[:size], metadata, self._sampling_view(size, mode),
+                        self.next_tokens[:size], None if self.logits is None else self.logits[:size])
+
+    def _decode_unbuffered(self, batch: DecodeBatch) -> list[int]:
+        """Eager decode with per-step tensors, for batches the static buffers cannot hold."""
+        metadata = AttentionMetadata.from_seqlens(
+            query_lens=[1] * len(batch), seq_lens=batch.seq_lens, num_prefills=0,
+            block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
+            block_size=self.graph_state.block_size, device=self.device,
+        )
+        ids = torch.tensor(batch.input_ids, device=self.device)
+        positions = torch.tensor(batch.positions, device=self.device)
+        sampling = SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device)
+        tokens = torch.empty(len(batch), dtype=torch.int64, device=self.device)
+        self._run_model(ids, positions, metadata, sampling, tokens, None)
+        return tokens.tolist()
+
+    def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out) -> None:
+        hidden = self.model(ids, positions, self.kv_caches, metadata)  # [B, hidden]
+        logits = self.model.compute_logits(hidden)  # [B, V] float32
+        if logits_out is not None:
+            logits_out.copy_(logits)
+        tokens_out.copy_(sample(logits, sampling))
+
+    def _sampling_view(self, size: int, mode: str) -> SamplingTensors:
+        s = self.sampling
+        return SamplingTensors(
+            temperature=s.temperature[:size], top_k=s.top_k[:size], top_p=s.top_p[:size],
+            seeds=s.seeds[:size], steps=s.steps[:size],
+            all_greedy=mode == "greedy", needs_top_k_top_p=mode == "sample",
+        )

@@ -1,0 +1,39 @@
+"""Counters a graph runner keeps, readable from the API (``runner.stats``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class EagerReason:
+    """Why a decode step ran without a graph."""
+
+    ENFORCE_EAGER = "enforce_eager"
+    NO_CUDA = "no_cuda"
+    CAPTURE_FAILED = "capture_failed"
+    BATCH_TOO_LARGE = "batch_too_large"
+    CONTEXT_TOO_LONG = "context_too_long"
+
+
+@dataclass
+class DecodeStats:
+    replays_per_bucket: Counter = field(default_factory=Counter)
+    #: Padding rows added to reach a bucket, summed over replays.
+    padded_rows: int = 0
+    eager_steps: Counter = field(default_factory=Counter)
+    num_graphs: int = 0
+    capture_seconds: float = 0.0
+    pool_bytes: int = 0
+    capture_error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "replays_per_bucket": dict(sorted(self.replays_per_bucket.items())),
+            "padded_rows": self.padded_rows,
+            "eager_steps": dict(self.eager_steps),
+            "num_graphs": self.num_graphs,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "pool_mib": round(self.pool_bytes / 2**20, 1),
+            "capture_error": self.capture_error,
+        }
