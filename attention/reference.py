@@ -18,15 +18,15 @@ SUPPORTED_HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 def write_to_paged_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int
 ) -> None:
-    """Store new K/V at their slots; rows whose slot is -1 (graph padding) are skipped.
+    """Store new K/V at their slots. Rows whose slot is -1 (graph padding) go to slot 0, inside the
+    null block that no real sequence reads: selecting only the real rows would need a host sync.
 
     key, value: [T, KVH * D]; kv_cache: [2, num_blocks, block_size * KVH * D]; slot_mapping: [T] int64.
     """
     head_size = key.shape[-1] // num_kv_heads
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key[keep].view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value[keep].view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
+    slots = slot_mapping.clamp(min=0)
+    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key.view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value.view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
 
 
 def gather_from_paged_cache(

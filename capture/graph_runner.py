@@ -106,10 +106,16 @@ class DecodeGraphRunner:
             with torch.inference_mode():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, both modes
-                        for _ in range(2):
-                            self._forward(size, mode)
+                # Warm-up also proves the step never syncs with the host: a sync raises here,
+                # naming the operation, instead of invalidating the capture later.
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with torch.cuda.stream(side):
+                        for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, both modes
+                            for _ in range(2):
+                                self._forward(size, mode)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 pool = torch.cuda.graph_pool_handle()
                 for size, mode in tqdm(keys, desc="capturing decode graphs", unit="graph",

@@ -99,12 +99,12 @@ def test_mixed_step_with_cached_prefix_matches_dense():
         start += q_len
 
 
-def test_padding_rows_write_nothing():
-    """Slot -1 rows (graph padding) leave the cache untouched."""
-    cache = torch.randn(2, 4, 16 * 2 * 64)
-    before = cache.clone()
+def test_padding_rows_write_only_the_null_block():
+    """Slot -1 rows (graph padding) leave every real block untouched."""
     from graphrt.attention.reference import write_to_paged_cache
 
+    cache = torch.randn(2, 4, 16 * 2 * 64)
+    before = cache.clone()
     write_to_paged_cache(torch.randn(3, 128), torch.randn(3, 128), cache, torch.tensor([-1, 17, -1]), 2)
     changed = (cache != before).view(2, -1, 128).any(-1).any(0).nonzero().flatten().tolist()
-    assert changed == [17]
+    assert [slot for slot in changed if slot >= 16] == [17]  # slots 0..15 are the null block

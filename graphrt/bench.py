@@ -1,0 +1,216 @@
+"""``graphrt bench``: decode-step latency, eager against CUDA graphs, beside the memory-bandwidth floor.
+
+For each (batch size, context): B sequences of ``context`` tokens sit in the paged cache (random
+contents); one decode step is timed end to end as a serving engine sees it (static-buffer refresh,
+replay or eager forward, sampling, the token copy back), median over ``steps`` runs. The floor is
+(weight bytes + KV bytes read) / the HBM read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .sampling_params import SamplingParams
+
+DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
+DEFAULT_CONTEXTS = (512,)
+
+
+@dataclass
+class BenchRow:
+    batch_size: int
+    context: int
+    eager_ms: float
+    graph_ms: float | None
+    speedup: float | None
+    floor_ms: float | None
+    ratio_to_floor: float | None
+    tokens_per_s: float
+    capture_seconds: float | None
+    pool_mib: float | None
+
+
+def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes/s of a large on-device reduction (each byte read once), median of 20 runs."""
+    data = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        data.sum()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        data.sum()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return data.numel() * data.element_size() / statistics.median(times)
+
+
+def weight_bytes_read(engine: LLMEngine, batch_size: int) -> int:
+    """Bytes of weights one decode step reads: every matrix once; of the embedding table, only the
+    looked-up rows unless it is also the (tied) LM head, which reads it whole."""
+    total = 0
+    for name, param in engine.model.named_parameters():
+        if name == "embed_tokens.weight" and engine.model.lm_head is not None:
+            total += batch_size * param.shape[1] * param.element_size()
+        else:
+            total += param.numel() * param.element_size()
+    return total
+
+
+def kv_bytes_read(engine: LLMEngine, batch_size: int, context: int) -> int:
+    cfg = engine.model_config
+    element = torch.empty((), dtype=engine.dtype).element_size()
+    return batch_size * context * cfg.num_hidden_layers * 2 * cfg.kv_size * element
+
+
+def _time_steps(decode, batch, steps: int, device: torch.device) -> float:
+    """Median wall-clock ms of one decode call (each call ends with its token copy, a sync)."""
+    for _ in range(3):
+        decode(batch)
+    samples = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        decode(batch)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _engine(model: str, device: str, dtype: str, batch_size: int, context: int, enforce_eager: bool) -> LLMEngine:
+    block_size = 16
+    blocks = batch_size * -(-(context + 1) // block_size) + 1
+    config = EngineConfig(
+        model=model, device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=context + 1,
+        block_size=block_size, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[batch_size],
+    )
+    return LLMEngine(config, progress=False)
+
+
+def _batch(engine: LLMEngine, batch_size: int, context: int):
+    """B sequences of ``context`` tokens each, their blocks filled with random K/V."""
+    from graphrt.capture import DecodeBatch
+
+    bm = engine.block_manager
+    for sid in range(batch_size):
+        bm.allocate(sid, context)
+    for kv in engine.runner.kv_caches:
+        kv.normal_()
+    return DecodeBatch(
+        input_ids=[(7 * sid + 3) % engine.model_config.vocab_size for sid in range(batch_size)],
+        positions=[context - 1] * batch_size,
+        block_tables=[bm.block_table(sid) for sid in range(batch_size)],
+        slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
+        params=[SamplingParams(temperature=0.0)] * batch_size,
+        seeds=[0] * batch_size,
+        steps=[0] * batch_size,
+    )
+
+
+def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int) -> dict:
+    """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    bandwidth = measure_read_bandwidth(dev) if use_cuda else None
+    rows = []
+    for context in contexts:
+        for batch_size in batch_sizes:
+            eager_engine = _engine(model, str(dev), dtype, batch_size, context, enforce_eager=True)
+            batch = _batch(eager_engine, batch_size, context)
+            eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
+            weights = weight_bytes_read(eager_engine, batch_size)
+            kv = kv_bytes_read(eager_engine, batch_size, context)
+            del eager_engine
+            graph_ms = capture_s = pool = None
+            if use_cuda:
+                torch.cuda.empty_cache()
+                graph_engine = _engine(model, str(dev), dtype, batch_size, context, enforce_eager=False)
+                graph_batch = _batch(graph_engine, batch_size, context)
+                graph_ms = _time_steps(graph_engine.decode_runner.decode, graph_batch, steps, dev)
+                stats = graph_engine.decode_runner.stats
+                capture_s, pool = stats.capture_seconds, stats.pool_bytes / 2**20
+                del graph_engine
+                torch.cuda.empty_cache()
+            best = graph_ms if graph_ms is not None else eager_ms
+            floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
+            rows.append(BenchRow(
+                batch_size=batch_size, context=context, eager_ms=round(eager_ms, 4),
+                graph_ms=None if graph_ms is None else round(graph_ms, 4),
+                speedup=None if graph_ms is None else round(eager_ms / graph_ms, 2),
+                floor_ms=None if floor is None else round(floor, 4),
+                ratio_to_floor=None if floor is None else round(best / floor, 2),
+                tokens_per_s=round(batch_size / best * 1e3, 1),
+                capture_seconds=None if capture_s is None else round(capture_s, 2),
+                pool_mib=None if pool is None else round(pool, 1),
+            ))
+            print(format_row(rows[-1]), flush=True)
+    return {
+        "model": model,
+        "dtype": dtype,
+        "device": torch.cuda.get_device_name(dev) if use_cuda else "cpu",
+        "torch": torch.__version__,
+        "hbm_read_bandwidth_gbps": None if bandwidth is None else round(bandwidth / 1e9, 1),
+        "steps_per_point": steps,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+HEADER = (f"{'batch':>5} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'floor ms':>9} "
+          f"{'x floor':>7} {'tok/s':>10} {'capture s':>9} {'pool MiB':>8}")
+
+
+def _fmt(value, spec: str) -> str:
+    """``value`` formatted by ``spec`` (e.g. ">9.3f"), or a dash of the same width when absent."""
+    return format("-", spec.split(".")[0]) if value is None else format(value, spec)
+
+
+def format_row(r: BenchRow) -> str:
+    return (f"{r.batch_size:>5} {r.context:>6} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
+            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.floor_ms, '>9.3f')} {_fmt(r.ratio_to_floor, '>7.2f')} "
+            f"{r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} {_fmt(r.pool_mib, '>8.1f')}")
+
+
+def write_plot(result: dict, path: str) -> None:
+    """ms/step against batch size, one line per (mode, context), log-log, floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for context in sorted({r["context"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["context"] == context]
+        sizes = [r["batch_size"] for r in rows]
+        ax.plot(sizes, [r["eager_ms"] for r in rows], "o-", label=f"eager, ctx {context}")
+        if rows[0]["graph_ms"] is not None:
+            ax.plot(sizes, [r["graph_ms"] for r in rows], "s-", label=f"CUDA graph, ctx {context}")
+        if rows[0]["floor_ms"] is not None:
+            ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label=f"HBM floor, ctx {context}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{result['model']} ({result['dtype']}) on {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    print(HEADER)
+    result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        write_plot(result, args.plot)
+    return 0

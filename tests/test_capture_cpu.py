@@ -1,0 +1,152 @@
+"""The decode graph runner's host-side logic on CPU: buckets, static-buffer refresh and padding, and
+every eager-fallback reason. (Replays themselves are checked on the GPU in test_gpu_graphs.py.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.attention import ReferenceAttentionBackend
+from graphrt.attention.graph_state import NULL_BLOCK, PAD_SEQ_LEN, PAD_SLOT, DecodeGraphState
+from graphrt.capture import DecodeBatch, DecodeGraphRunner, EagerReason, choose_bucket, default_capture_sizes
+
+TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False, loader_options={"init_std": 0.5})
+
+
+def test_default_capture_sizes():
+    sizes = default_capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert default_capture_sizes(10) == [1, 2, 4, 8, 10]
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(512)[-1] == 256
+
+
+@pytest.mark.parametrize(("batch", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (250, 256), (257, None)])
+def test_choose_bucket_pads_to_smallest_that_holds(batch, bucket):
+    assert choose_bucket(default_capture_sizes(256), batch) == bucket
+
+
+def test_refresh_writes_real_rows_and_inert_padding():
+    state = DecodeGraphState.allocate(max_batch_size=8, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    # Garbage everywhere first: a refresh must overwrite every row up to the padded size.
+    for tensor in (state.seq_lens, state.slot_mapping, state.block_tables):
+        tensor.fill_(777)
+    state.refresh(seq_lens=[5, 17, 33], block_tables=[[3], [4, 9], [1, 2, 6]], slot_mapping=[52, 144, 96],
+                  padded_batch_size=4)
+    assert state.seq_lens[:4].tolist() == [5, 17, 33, PAD_SEQ_LEN]
+    assert state.slot_mapping[:4].tolist() == [52, 144, 96, PAD_SLOT]
+    assert state.block_tables[:4].tolist() == [
+        [3, 0, 0, 0], [4, 9, 0, 0], [1, 2, 6, 0], [NULL_BLOCK] * 4,
+    ]
+    assert state.seq_start_loc[:5].tolist() == [0, 5, 22, 55, 56]
+    assert state.seq_lens[4:].tolist() == [777] * 4  # rows past the padded size are not touched
+    metadata = state.metadata(4)
+    assert metadata.use_cuda_graph and metadata.seq_lens is None and metadata.max_decode_seq_len == 64
+    assert metadata.block_tables.data_ptr() == state.block_tables.data_ptr()  # views, not copies
+
+
+def test_refresh_rejects_rows_beyond_captured_context():
+    state = DecodeGraphState.allocate(4, 32, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="captured maximum context allows 2"):
+        state.refresh([40], [[1, 2, 3]], [5], 1)
+
+
+@pytest.fixture
+def llm():
+    return LLM(**TINY, max_num_seqs=8, max_model_len=128)
+
+
+def _decode_batch(llm, count: int, seed: int = 0, context=20) -> DecodeBatch:
+    """Prefill ``count`` random prompts through the engine, then describe their next decode step."""
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(count):
+        n = context + i
+        rid = engine.add_request(torch.randint(3, 500, (n,), generator=generator).tolist(),
+                                 SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        seqs.append(engine._requests[rid])
+    scheduled = engine.scheduler.schedule()
+    tokens = engine.runner.execute(scheduled.prefills, scheduled.decodes)
+    for seq, token in zip(scheduled.prefills, tokens):
+        seq.append_token(token, engine.max_model_len)
+    for seq in seqs:  # make room for the decode
+        engine.block_manager.grow(seq.seq_id, seq.num_tokens)
+    return engine.runner._decode_batch(seqs)
+
+
+def _runner(llm, **overrides) -> DecodeGraphRunner:
+    engine = llm.engine
+    options = dict(block_size=16, max_seq_len=128, max_batch_size=8, device=torch.device("cpu"))
+    options.update(overrides)
+    return DecodeGraphRunner(engine.model, engine.runner.kv_caches, ReferenceAttentionBackend, **options)
+
+
+def _kv_snapshot(llm):
+    return [c.clone() for c in llm.engine.runner.kv_caches]
+
+
+def test_no_cuda_runs_eager_through_static_buffers(llm):
+    runner = _runner(llm)
+    batch = _decode_batch(llm, 3)
+    reference = runner._decode_unbuffered(batch)  # per-step tensors, no static buffers
+    assert runner.decode(batch) == reference
+    assert runner.stats.eager_steps == {EagerReason.NO_CUDA: 1}
+    assert not runner.stats.replays_per_bucket
+
+
+def test_enforce_eager_is_a_reason(llm):
+    runner = _runner(llm, enforce_eager=True)
+    runner.decode(_decode_batch(llm, 1, seed=1))
+    assert runner.stats.eager_steps == {EagerReason.ENFORCE_EAGER: 1}
+
+
+def test_batch_too_large_falls_back(llm):
+    runner = _runner(llm, capture_sizes=[1, 2])
+    batch = _decode_batch(llm, 3, seed=2)
+    assert runner.decode(batch) == runner._decode_unbuffered(batch)
+    assert runner.stats.eager_steps[EagerReason.BATCH_TOO_LARGE] == 1
+
+
+def test_context_too_long_falls_back(llm):
+    runner = _runner(llm, max_seq_len=16)
+    batch = _decode_batch(llm, 2, seed=3, context=20)
+    assert runner.decode(batch) == runner._decode_unbuffered(batch)
+    assert runner.stats.eager_steps[EagerReason.CONTEXT_TOO_LONG] == 1
+
+
+def test_failed_capture_warns_once_and_stays_eager(llm, caplog):
+    runner = _runner(llm)
+    runner.eager_reason = None  # pretend graphs were possible: capturing on CPU then fails
+    with caplog.at_level(logging.WARNING):
+        runner.capture(progress=False)
+    assert runner.eager_reason == EagerReason.CAPTURE_FAILED
+    assert runner.stats.capture_error
+    assert len([r for r in caplog.records if "capture failed" in r.message]) == 1
+    runner.decode(_decode_batch(llm, 1, seed=4))
+    assert runner.stats.eager_steps == {EagerReason.CAPTURE_FAILED: 1}
+
+
+def test_padding_rows_with_garbage_change_nothing_real(llm):
+    """Rows past the real batch may hold any inputs: real tokens, logits and cache blocks stay put."""
+    runner = _runner(llm, return_logits=True, capture_sizes=[8])
+    batch = _decode_batch(llm, 3, seed=5)
+    before = _kv_snapshot(llm)
+    clean_tokens = runner.eager_decode(batch)
+    clean_logits = runner.last_logits(3).clone()
+    after_clean = _kv_snapshot(llm)
+    for kv, original in zip(llm.engine.runner.kv_caches, before):  # undo the real rows' cache writes
+        kv.copy_(original)
+    runner._refresh(batch, 8)
+    garbage = torch.Generator().manual_seed(9)
+    runner.input_ids[3:8] = torch.randint(0, 512, (5,), generator=garbage)
+    runner.positions[3:8] = torch.randint(0, 100, (5,), generator=garbage)
+    runner.sampling.temperature[3:8] = 3.0
+    runner._forward(8, "greedy")
+    assert runner.next_tokens[:3].tolist() == clean_tokens
+    assert torch.equal(runner.last_logits(3), clean_logits)
+    for kv, expected in zip(llm.engine.runner.kv_caches, after_clean):
+        assert torch.equal(kv[:, 1:], expected[:, 1:])  # every block but the null block
