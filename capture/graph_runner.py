@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from graphrt import nvtx
 from graphrt.attention import AttentionBackend, AttentionMetadata
 from graphrt.sampler import SamplingTensors, sample
 
@@ -121,7 +122,7 @@ class DecodeGraphRunner:
                 for size, mode in tqdm(keys, desc="capturing decode graphs", unit="graph",
                                        disable=not progress, leave=False):
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with nvtx.capture(size), torch.cuda.graph(graph, pool=pool):
                         self._forward(size, mode)
                     self.graphs[(size, mode)] = graph
             torch.cuda.synchronize(self.device)
@@ -153,11 +154,11 @@ class DecodeGraphRunner:
         reason = self._eager_reason_for(batch)
         if reason is not None:
             self.stats.eager_steps[reason] += 1
-        if reason in (EagerReason.BATCH_TOO_LARGE, EagerReason.CONTEXT_TOO_LONG):
-            return self._decode_unbuffered(batch)
-        if reason is not None:
-            # No graph to match: bound attention by this batch's longest row, not the captured maximum.
-            return self._decode_static(batch, len(batch), replay=False, max_seq_len=max(batch.seq_lens))
+            with nvtx.decode_eager(len(batch), reason):
+                if reason in (EagerReason.BATCH_TOO_LARGE, EagerReason.CONTEXT_TOO_LONG):
+                    return self._decode_unbuffered(batch)
+                # No graph to match: bound attention by this batch's longest row, not the captured maximum.
+                return self._decode_static(batch, len(batch), replay=False, max_seq_len=max(batch.seq_lens))
         padded = choose_bucket(self.capture_sizes, len(batch))
         self.stats.replays_per_bucket[padded] += 1
         self.stats.padded_rows += padded - len(batch)
@@ -173,13 +174,15 @@ class DecodeGraphRunner:
         return self._decode_static(batch, padded, replay=False)
 
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
-        self._refresh(batch, padded)
+        with nvtx.decode_prepare():
+            self._refresh(batch, padded)
         mode = "greedy" if batch.all_greedy else "sample"
-        if replay:
-            self.graphs[(padded, mode)].replay()
-        else:
+        if not replay:
             self._forward(padded, mode, max_seq_len)
-        return self.next_tokens[: len(batch)].tolist()
+            return self.next_tokens[: len(batch)].tolist()
+        with nvtx.decode_replay(len(batch), padded):  # spans the wait for the sampled tokens too
+            self.graphs[(padded, mode)].replay()
+            return self.next_tokens[: len(batch)].tolist()
 
     def last_logits(self, batch_size: int) -> torch.Tensor:
         """[batch_size, V] float32 logits of the last decode (needs ``return_logits=True``)."""

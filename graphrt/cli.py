@@ -1,4 +1,4 @@
-"""The ``graphrt`` command line: ``generate`` text and report ``info`` about the installation."""
+"""The ``graphrt`` command line: ``generate`` text, ``bench`` decode steps, report ``info``."""
 
 from __future__ import annotations
 
@@ -58,8 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
+    gen.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
+    gen.add_argument("--nvtx-layers", action="store_true",
+                     help="NVTX ranges per decoder layer too; implies --nvtx (also GRAPHRT_NVTX_LAYERS=1)")
 
     commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run")
+
+    bench = commands.add_parser(
+        "bench", parents=[common],
+        help="decode-step latency: eager vs CUDA graphs, against the HBM floor",
+        description="Times one decode step (static-buffer refresh, forward, sampling, token copy) per batch "
+        "size and context, eager and replayed, beside the floor (weights + KV bytes over the HBM read "
+        "bandwidth measured in the same run). On CPU: eager only, no floor.",
+    )
+    bench.add_argument("--model", default="random:llama-3.2-1b", help="as for generate (default random:llama-3.2-1b)")
+    bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
+                       help="default 1,8,32,64,128,256")
+    bench.add_argument("--contexts", type=_token_ids, default=[512], metavar="512,4096", help="default 512")
+    bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="FILE", help="write a PNG of ms/step against batch size")
     return parser
 
 
@@ -76,7 +96,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-        num_kv_blocks=args.num_kv_blocks,
+        num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
     )
     prompts: list[str | list[int]] = []
     for text in args.prompt:
@@ -102,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             print(format_info(collect_info()))
             return 0
+        if args.command == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(args)
         return _run_generate(args)
     except GraphrtError as exc:
         print(f"graphrt: error: {exc}", file=sys.stderr)

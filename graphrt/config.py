@@ -196,7 +196,13 @@ class EngineConfig:
     block_size: int = 16
     #: Most tokens one forward pass takes (prefill chunks are not split: a prompt must fit).
     max_num_batched_tokens: int | None = None
+    #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False
+    #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
+    #: trimmed to max_num_seqs.
+    capture_sizes: list[int] | None = None
+    #: Longest context a captured graph serves (longer rows decode eagerly); None = max_model_len.
+    max_capture_seq_len: int | None = None
     #: Number of KV blocks; None = derived from the memory budget below.
     num_kv_blocks: int | None = None
     #: CUDA: fraction of total device memory graphrt may use (weights, activations, cache).
@@ -209,6 +215,10 @@ class EngineConfig:
     seed: int = 0
     #: Extra keyword arguments for the model loader (e.g. random presets' init scale).
     loader_options: dict[str, Any] = field(default_factory=dict)
+    #: NVTX ranges on the ``graphrt`` domain for Nsight (also ``GRAPHRT_NVTX=1``); see ``graphrt.nvtx``.
+    nvtx: bool = False
+    #: Also a range per decoder layer in eager forwards (also ``GRAPHRT_NVTX_LAYERS=1``); implies ``nvtx``.
+    nvtx_layers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):

@@ -10,7 +10,9 @@ import random
 import torch
 
 from graphrt.attention import get_attention_backend
+from graphrt.capture import DecodeGraphRunner
 
+from . import nvtx
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .errors import ConfigError, InvalidRequestError
@@ -33,19 +35,23 @@ _PROFILE_SEQ_LEN = 2048
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        nvtx.configure(enabled=config.nvtx, layers=config.nvtx_layers)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        checkpoint = open_checkpoint(config.model, **config.loader_options)
-        self.model_config: ModelConfig = checkpoint.config
-        self.tokenizer: Tokenizer | None = checkpoint.tokenizer
-        self.max_model_len = self._resolve_max_model_len()
-        self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
-        self.attention_backend = get_attention_backend(config.attention_backend, self.device)
-        try:
-            model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device)
-        except ValueError as exc:  # e.g. a head size the attention backend cannot run
-            raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
-        load_weights_into(model, checkpoint, progress=progress)
+        with nvtx.range("load"):
+            checkpoint = open_checkpoint(config.model, **config.loader_options)
+            self.model_config: ModelConfig = checkpoint.config
+            self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+            self.max_model_len = self._resolve_max_model_len()
+            self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
+            self.attention_backend = get_attention_backend(config.attention_backend, self.device)
+            try:
+                model = LlamaForCausalLM(
+                    self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device
+                )
+            except ValueError as exc:  # e.g. a head size the attention backend cannot run
+                raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
+            load_weights_into(model, checkpoint, progress=progress)
         self.model = model.eval()
 
         num_blocks = self._choose_num_blocks()
@@ -53,7 +59,19 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             self.model_config, self.attention_backend, num_blocks, config.block_size, self.dtype, self.device
         )
-        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.device)
+        self.decode_runner = DecodeGraphRunner(
+            self.model, kv_caches, self.attention_backend,
+            block_size=config.block_size,
+            max_seq_len=min(config.max_capture_seq_len or self.max_model_len, self.max_model_len),
+            max_batch_size=config.max_num_seqs,
+            capture_sizes=config.capture_sizes,
+            enforce_eager=config.enforce_eager,
+            device=self.device,
+        )
+        self.decode_runner.capture(progress=progress)
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.attention_backend, self.block_manager, self.device, self.decode_runner
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -96,7 +114,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that got a token (finished ones included)."""
-        scheduled = self.scheduler.schedule()
+        with nvtx.range("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        with nvtx.range("schedule"):
+            scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")

@@ -1,11 +1,19 @@
-"""Turns a scheduled step into tensors once, runs the model, and samples one token per sequence."""
+"""Turns a scheduled step into tensors once, runs the model, and samples one token per sequence.
+
+A step's prefills run eagerly (variable shapes); its decodes go through the decode graph runner,
+which replays a captured CUDA graph when it can. A step with both runs the prefill forward first,
+then the decode replay: two forwards, so that new prompts never knock running sequences off their
+graphs.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from graphrt.attention import AttentionBackend
+from graphrt.capture import DecodeBatch, DecodeGraphRunner
 
+from . import nvtx
 from .block_manager import BlockManager
 from .models.llama import LlamaForCausalLM
 from .sampler import SamplingTensors, sample
@@ -25,6 +33,7 @@ class ModelRunner:
         backend: type[AttentionBackend],
         block_manager: BlockManager,
         device: torch.device,
+        decode_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -32,43 +41,77 @@ class ModelRunner:
         self.block_manager = block_manager
         self.device = device
         self.block_size = block_manager.block_size
+        self.decode_runner = decode_runner
 
-    @torch.inference_mode()
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[int]:
         """Run one step; returns the sampled token id of each sequence, prefills first then decodes."""
-        seqs = prefills + decodes
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_tokens
-            input_ids.extend(seq.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.block_manager.slots(seq.seq_id, start, end))
-            query_lens.append(end - start)
-        metadata = self.backend.make_metadata(
-            query_lens=query_lens,
-            seq_lens=[seq.num_tokens for seq in seqs],
-            num_prefills=len(prefills),
-            block_tables=[self.block_manager.block_table(seq.seq_id) for seq in seqs],
-            slot_mapping=slots,
-            block_size=self.block_size,
-            device=self.device,
+        if self.decode_runner is None:
+            return self._execute_eager(prefills + decodes, num_prefills=len(prefills))
+        tokens = self._execute_eager(prefills, num_prefills=len(prefills)) if prefills else []
+        if decodes:
+            with nvtx.decode(len(decodes)):
+                tokens += self.decode_runner.decode(self._decode_batch(decodes))
+            for seq in decodes:
+                seq.num_computed_tokens = seq.num_tokens
+        return tokens
+
+    def _decode_batch(self, decodes: list[Sequence]) -> DecodeBatch:
+        positions = [seq.num_tokens - 1 for seq in decodes]
+        return DecodeBatch(
+            input_ids=[seq.all_token_ids[-1] for seq in decodes],
+            positions=positions,
+            block_tables=[self.block_manager.block_table(seq.seq_id) for seq in decodes],
+            slot_mapping=[self.block_manager.slot(seq.seq_id, p) for seq, p in zip(decodes, positions)],
+            params=[seq.params for seq in decodes],
+            seeds=[seq.seed for seq in decodes],
+            steps=[len(seq.output_token_ids) for seq in decodes],
         )
-        hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, metadata)
-        last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
-        logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
-        sampling = SamplingTensors.from_params(
-            [seq.params for seq in seqs],
-            seeds=[seq.seed for seq in seqs],
-            steps=[len(seq.output_token_ids) for seq in seqs],
-            device=self.device,
-        )
-        token_ids = sample(logits, sampling).tolist()  # the step's one device-to-host copy
+
+    @torch.inference_mode()
+    def _execute_eager(self, seqs: list[Sequence], num_prefills: int) -> list[int]:
+        """One eager forward over ``seqs`` (the first ``num_prefills`` prefill, the rest decode)."""
+        with self._forward_range(seqs, num_prefills):
+            input_ids: list[int] = []
+            positions: list[int] = []
+            slots: list[int] = []
+            query_lens: list[int] = []
+            for seq in seqs:
+                start, end = seq.num_computed_tokens, seq.num_tokens
+                input_ids.extend(seq.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(self.block_manager.slots(seq.seq_id, start, end))
+                query_lens.append(end - start)
+            metadata = self.backend.make_metadata(
+                query_lens=query_lens,
+                seq_lens=[seq.num_tokens for seq in seqs],
+                num_prefills=num_prefills,
+                block_tables=[self.block_manager.block_table(seq.seq_id) for seq in seqs],
+                slot_mapping=slots,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, metadata)
+            last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
+            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
+        with nvtx.range("sample"):
+            sampling = SamplingTensors.from_params(
+                [seq.params for seq in seqs],
+                seeds=[seq.seed for seq in seqs],
+                steps=[len(seq.output_token_ids) for seq in seqs],
+                device=self.device,
+            )
+            token_ids = sample(logits, sampling).tolist()  # the step's one device-to-host copy
         for seq in seqs:
             seq.num_computed_tokens = seq.num_tokens
         return token_ids
+
+    @staticmethod
+    def _forward_range(seqs: list[Sequence], num_prefills: int):
+        """``prefill seqs=S tokens=T [decodes=D]`` for a forward with prompts, ``decode batch=B`` otherwise."""
+        if not num_prefills:
+            return nvtx.decode(len(seqs))
+        prompt_tokens = sum(seq.num_tokens - seq.num_computed_tokens for seq in seqs[:num_prefills])
+        return nvtx.prefill(num_prefills, prompt_tokens, num_decodes=len(seqs) - num_prefills)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, max_seq_len: int) -> int:

@@ -13,6 +13,7 @@ from torch import nn
 
 from graphrt.attention import AttentionBackend, AttentionMetadata
 
+from .. import nvtx
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -120,8 +121,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
         hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                with nvtx.layer(index):
+                    hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden = layer(positions, hidden, kv_cache, attn_metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
