@@ -7,9 +7,11 @@ import torch
 from .backend import AttentionBackend, AttentionImpl
 from .metadata import AttentionMetadata
 from .reference import ReferenceAttentionBackend
+from .triton_backend import TritonAttentionBackend
 
 #: Every backend graphrt ships, by name, in order of preference.
 BACKENDS: dict[str, type[AttentionBackend]] = {
+    TritonAttentionBackend.name: TritonAttentionBackend,
     ReferenceAttentionBackend.name: ReferenceAttentionBackend,
 }
 
@@ -36,5 +38,6 @@ __all__ = [
     "AttentionMetadata",
     "BACKENDS",
     "ReferenceAttentionBackend",
+    "TritonAttentionBackend",
     "get_attention_backend",
 ]

@@ -88,9 +88,17 @@ class AttentionBackend(ABC):
 
     @classmethod
     def init_graph_state(
-        cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device
+        cls,
+        max_batch_size: int,
+        max_seq_len: int,
+        block_size: int,
+        device: torch.device,
+        *,
+        num_heads: int,
+        head_size: int,
     ) -> DecodeGraphState:
-        """Allocate every static tensor decode graphs read, once, at the largest bucket."""
+        """Allocate every static tensor decode graphs read, once, at the largest bucket (backends with
+        kernel scratch space size it from ``num_heads`` and ``head_size``)."""
         return DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device)
 
     @classmethod

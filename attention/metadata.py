@@ -53,6 +53,8 @@ class AttentionMetadata:
     #: Upper bound on decoding sequences' seq_lens that fixes decode launch shapes (grids, split
     #: counts, gathered blocks); 0 = the largest decode seq_len in ``seq_lens``.
     max_decode_seq_len: int = 0
+    #: Preallocated split-K scratch for decode kernels (set on graph metadata; None = allocate per call).
+    decode_workspace: object | None = None
 
     def __post_init__(self) -> None:
         if not self.max_decode_seq_len and self.seq_lens is not None:
@@ -122,6 +124,7 @@ class AttentionMetadata:
             kv_cache_dtype=self.kv_cache_dtype,
             use_cuda_graph=self.use_cuda_graph,
             max_decode_seq_len=0 if is_prefill else self.max_decode_seq_len,
+            decode_workspace=None if is_prefill else self.decode_workspace,
         )
 
     @classmethod

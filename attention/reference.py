@@ -131,7 +131,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         if kv_cache is not None:
             write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
-        alibi = self._alibi.to(query.device) if self._alibi is not None else None
+        if self._alibi is not None and self._alibi.device != query.device:
+            self._alibi = self._alibi.to(query.device)  # first (eager, warm-up) call: never in capture
+        alibi = self._alibi
         out = torch.empty_like(q)
         num_prefill_tokens = attn_metadata.num_prefill_tokens
         prefill = attn_metadata.prefill_metadata

@@ -75,14 +75,16 @@ class DecodeGraphRunner:
             self.eager_reason = None
 
         bs, pin = self.max_batch_size, self.device.type == "cuda"
-        self.graph_state = backend.init_graph_state(bs, max_seq_len, block_size, self.device)
+        config = model.config
+        self.graph_state = backend.init_graph_state(
+            bs, max_seq_len, block_size, self.device, num_heads=config.num_attention_heads, head_size=config.head_dim
+        )
         self.input_ids = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.positions = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self._host_tokens = torch.zeros(2, bs, dtype=torch.int64, pin_memory=pin)  # ids, positions
         self.sampling = SamplingTensors.allocate(bs, self.device)
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
-        vocab = model.config.vocab_size
-        self.logits = torch.zeros(bs, vocab, dtype=torch.float32, device=self.device) if return_logits else None
+        self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
 
     @property
     def max_seq_len(self) -> int:

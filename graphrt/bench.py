@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import EngineConfig
 from .engine import LLMEngine
-from .sampling_params import SamplingParams
+from .workload import decode_engine, fill_decode_batch, synchronize
 
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (512,)
@@ -77,42 +76,11 @@ def _time_steps(decode, batch, steps: int, device: torch.device) -> float:
         decode(batch)
     samples = []
     for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         decode(batch)
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
-
-
-def _engine(model: str, device: str, dtype: str, batch_size: int, context: int, enforce_eager: bool) -> LLMEngine:
-    block_size = 16
-    blocks = batch_size * -(-(context + 1) // block_size) + 1
-    config = EngineConfig(
-        model=model, device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=context + 1,
-        block_size=block_size, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[batch_size],
-    )
-    return LLMEngine(config, progress=False)
-
-
-def _batch(engine: LLMEngine, batch_size: int, context: int):
-    """B sequences of ``context`` tokens each, their blocks filled with random K/V."""
-    from graphrt.capture import DecodeBatch
-
-    bm = engine.block_manager
-    for sid in range(batch_size):
-        bm.allocate(sid, context)
-    for kv in engine.runner.kv_caches:
-        kv.normal_()
-    return DecodeBatch(
-        input_ids=[(7 * sid + 3) % engine.model_config.vocab_size for sid in range(batch_size)],
-        positions=[context - 1] * batch_size,
-        block_tables=[bm.block_table(sid) for sid in range(batch_size)],
-        slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
-        params=[SamplingParams(temperature=0.0)] * batch_size,
-        seeds=[0] * batch_size,
-        steps=[0] * batch_size,
-    )
 
 
 def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int) -> dict:
@@ -123,8 +91,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     rows = []
     for context in contexts:
         for batch_size in batch_sizes:
-            eager_engine = _engine(model, str(dev), dtype, batch_size, context, enforce_eager=True)
-            batch = _batch(eager_engine, batch_size, context)
+            eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True)
+            batch = fill_decode_batch(eager_engine, batch_size, context)
             eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
@@ -132,8 +100,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             graph_ms = capture_s = pool = None
             if use_cuda:
                 torch.cuda.empty_cache()
-                graph_engine = _engine(model, str(dev), dtype, batch_size, context, enforce_eager=False)
-                graph_batch = _batch(graph_engine, batch_size, context)
+                graph_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False)
+                graph_batch = fill_decode_batch(graph_engine, batch_size, context)
                 graph_ms = _time_steps(graph_engine.decode_runner.decode, graph_batch, steps, dev)
                 stats = graph_engine.decode_runner.stats
                 capture_s, pool = stats.capture_seconds, stats.pool_bytes / 2**20

@@ -1,4 +1,4 @@
-"""The ``graphrt`` command line: ``generate`` text, ``bench`` decode steps, report ``info``."""
+"""The ``graphrt`` command line: ``generate`` text, ``bench`` and ``profile`` decode steps, report ``info``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="write a PNG of ms/step against batch size")
+
+    prof = commands.add_parser(
+        "profile", parents=[common],
+        help="record decode steps with torch.profiler: trace file and per-step kernel breakdown",
+        description="Builds a steady decode workload (B sequences of a given context in the paged cache), "
+        "warms up, records decode steps with torch.profiler (CPU + CUDA), writes a Chrome/Perfetto trace and "
+        "prints per step: kernels, kernel time against wall time, the top kernels and their share of the step, "
+        "and the GPU's idle time and gaps between kernels. On CPU: the trace and host operators only.",
+    )
+    prof.add_argument("--model", default="random:llama-3.2-1b", help="as for generate (default random:llama-3.2-1b)")
+    prof.add_argument("--batch-size", type=int, default=1, help="sequences decoded per step (default 1)")
+    prof.add_argument("--context", type=int, default=512, help="tokens already in each sequence (default 512)")
+    prof.add_argument("--steps", type=int, default=20, help="decode steps recorded (default 20)")
+    prof.add_argument("--warmup", type=int, default=5, help="timed decode steps before recording (default 5)")
+    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    prof.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    prof.add_argument("--enforce-eager", action="store_true",
+                      help="decode without CUDA graphs (every kernel launched, and attributed, one by one)")
+    prof.add_argument("--trace", default="graphrt_trace.json", metavar="FILE",
+                      help="Chrome/Perfetto trace to write (default graphrt_trace.json; .gz compresses)")
+    prof.add_argument("--json", metavar="FILE", help="write the breakdown as JSON")
+    prof.add_argument("--top", type=int, default=15, help="kernels and host operators listed (default 15)")
+    prof.add_argument("--nvtx", action="store_true", help="emit graphrt's NVTX ranges too (when run under nsys)")
     return parser
 
 
@@ -126,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(args)
+        if args.command == "profile":
+            from .profile import main as profile_main
+
+            return profile_main(args)
         return _run_generate(args)
     except GraphrtError as exc:
         print(f"graphrt: error: {exc}", file=sys.stderr)

@@ -43,8 +43,11 @@ def collect_info() -> dict:
         default_model = default_model_path()
     except ModelLoadError as exc:
         default_model = f"missing: {exc}"
+    from graphrt.attention.xformers_compat import xformers_status
+
     return {
         "python": platform.python_version(),
+        "xformers_prefill": xformers_status().describe(),
         "libraries": {name: _library_version(name) for name in _LIBRARIES},
         "device": _device_description(),
         "attention_backends": backends,
@@ -56,6 +59,7 @@ def format_info(info: dict) -> str:
     lines = [f"python      {info['python']}"]
     lines += [f"{name:<11} {version}" for name, version in info["libraries"].items()]
     lines.append(f"device      {info['device']}")
+    lines.append(f"prefill     {info['xformers_prefill']}")
     lines.append("attention backends:")
     lines += [f"  {name:<10} {status}" for name, status in info["attention_backends"].items()]
     lines.append(f"default model: {info['default_model']}")

@@ -1,0 +1,274 @@
+"""Prefill attention for prompts whose first tokens are already in the paged KV cache (prefix reuse,
+recompute after preemption): each new query token attends to the sequence's cached context and,
+causally, to the new tokens themselves.
+
+Where K/V come from: the context (positions ``0 .. ctx-1``) is read from the paged cache through the
+block table; the new tokens (positions ``ctx .. seq_len-1``) are read from the ``key``/``value``
+tensors of this step, not from the cache. They are contiguous there (no block-table lookups) and, with
+an fp8 cache, unquantised, so a prompt gets the same numbers whether its prefix was cached or not.
+The caller may write them to the cache before or after this kernel.
+
+One program handles a tile of ``BLOCK_R`` (token, query head) rows that share one KV head: the
+``H/KVH`` query heads of a token are adjacent rows, so each K/V tile is loaded once for all of them
+(GQA/MQA). Grid: (row tiles of the longest new chunk, sequences, KV heads); tiles past a sequence's
+own rows exit at once. Online softmax in float32 with base-2 exponentials.
+
+Cache layout (shared with ``attention.reference``): ``kv_cache [2, num_blocks, block_size * KVH * D]``;
+``kv_cache[0].view(num_blocks, block_size, KVH, D)`` are keys, ``[1]`` values; with
+``torch.float8_e4m3fn`` a stored value times ``k_scale``/``v_scale`` is the real one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, SCALE_V: tl.constexpr):
+    """Fold one key tile into the online softmax. qk: [BLOCK_R, BLOCK_N] float32 logits in log2 units;
+    v: [BLOCK_N, HEAD_PAD] as stored (times ``v_scale`` when SCALE_V)."""
+    qk = tl.where(allowed, qk, float("-inf"))
+    # m_i starts finite, so a row with every key masked so far keeps alpha = 1 and p = 0 (no inf - inf).
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    if SCALE_V:
+        pv = pv * v_scale
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _prefix_prefill_kernel(
+    Q,  # [T, H, D]
+    KNew,  # [T, KVH, D]
+    VNew,
+    KCache,  # [num_blocks, block_size * KVH * D]
+    VCache,
+    Out,  # [T, H, D]
+    BlockTables,  # [B, M] int32
+    QueryStart,  # [B + 1] int32
+    SeqLens,  # [B] int32
+    Slopes,  # [H] float32 (read only with HAS_ALIBI)
+    ctx_qk_scale,  # softmax scale * log2(e) * k_scale: logits of cached keys
+    new_qk_scale,  # softmax scale * log2(e): logits of this step's keys
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(QueryStart + seq)
+    q_len = tl.load(QueryStart + seq + 1) - q_start
+    ctx = tl.load(SeqLens + seq) - q_len
+    num_rows = q_len * QUERIES_PER_KV
+    first_row = tile * BLOCK_R
+    if first_row >= num_rows:
+        return
+
+    rows = first_row + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    tok = rows // QUERIES_PER_KV  # new-token index of each row
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    q_pos = ctx + tok
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q = tl.load(
+        Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        DOT_DTYPE = tl.float32
+    else:
+        DOT_DTYPE = Q.dtype.element_ty
+    q = q.to(DOT_DTYPE)
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_PAD], tl.float32)
+    last_tok = (tl.minimum(first_row + BLOCK_R, num_rows) - 1) // QUERIES_PER_KV
+    lowest_key = 0  # no query of this tile sees a key before it
+    if HAS_WINDOW:
+        lowest_key = tl.maximum(ctx + first_row // QUERIES_PER_KV - window + 1, 0)
+    cols = tl.arange(0, BLOCK_N)
+
+    # Cached context: positions [lowest_key, ctx), every one before every query (no causal test).
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    for n0 in range((lowest_key // BLOCK_N) * BLOCK_N, ctx, BLOCK_N):
+        pos = n0 + cols
+        pos_ok = pos < ctx
+        block = tl.load(table + pos // CACHE_BLOCK, mask=pos_ok, other=0).to(tl.int64)
+        offset = block * stride_cache_block + ((pos % CACHE_BLOCK) * NUM_KV_HEADS + kv_head) * HEAD_SIZE
+        k = tl.load(KCache + offset[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
+        v = tl.load(VCache + offset[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        qk = tl.dot(q, k.to(DOT_DTYPE)) * ctx_qk_scale
+        if HAS_ALIBI:
+            qk += slope[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+        allowed = pos_ok[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (q_pos[:, None] - pos[None, :] < window)
+        m_i, l_i, acc = _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE, KV_FP8)
+
+    # New tokens [.., last_tok] of this step, causally, from the key/value tensors.
+    for n0 in range((tl.maximum(lowest_key - ctx, 0) // BLOCK_N) * BLOCK_N, last_tok + 1, BLOCK_N):
+        idx = n0 + cols
+        idx_ok = idx <= last_tok
+        token = (q_start + idx).to(tl.int64)
+        k = tl.load(KNew + token[None, :] * stride_kt + kv_head * stride_kh + dims[:, None],
+                    mask=idx_ok[None, :] & dim_ok[:, None], other=0.0)
+        v = tl.load(VNew + token[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=idx_ok[:, None] & dim_ok[None, :], other=0.0)
+        qk = tl.dot(q, k.to(DOT_DTYPE)) * new_qk_scale
+        if HAS_ALIBI:
+            qk += slope[:, None] * (idx[None, :] - tok[:, None]).to(tl.float32)
+        allowed = (idx[None, :] <= tok[:, None]) & idx_ok[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (tok[:, None] - idx[None, :] < window)
+        m_i, l_i, acc = _accumulate(qk, v, 1.0, allowed, m_i, l_i, acc, DOT_DTYPE, False)
+
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
+    tl.store(
+        Out + (q_start + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def _tiles(rows: int, head_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_N, num_warps): rows of (token, head) pairs per program, keys per step."""
+    block_r = 128 if head_pad <= 128 else 64
+    block_r = max(16, min(block_r, triton.next_power_of_2(rows)))
+    block_n = 64 if head_pad <= 128 else 32
+    return block_r, block_n, 8 if block_r * head_pad >= 128 * 128 else 4
+
+
+def triton_prefix_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    *,
+    block_r: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached context and, causally, over themselves.
+
+    query: [T, H, D]; key, value: [T, KVH, D] this step's new K/V (fp16/bf16/fp32, query's dtype; last
+    dim contiguous); kv_cache: [2, num_blocks, block_size * KVH * D] in query's dtype or
+    ``torch.float8_e4m3fn`` (real = stored * k_scale / v_scale); block_tables: [B, M] int32;
+    query_start_loc: [B + 1] int32 prefix sums of new-token counts; seq_lens: [B] int32 context + new
+    tokens (context_len = seq_len - query_len, may be 0); max_query_len: host int, the longest new chunk
+    (sizes the grid); scale: softmax scale; sliding_window W: a query at position p sees keys k <= p with
+    p - k < W; alibi_slopes: [H] float, adds ``slope[h] * (k - p)``; out: optional [T, H, D] to write
+    (allocated when None). block_r/block_n override the tile sizes (tests). Returns out.
+    Semantics: ``attention.reference.attend`` per sequence with its cached prefix as context.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"head size {head_size} is not supported; supported head sizes: {list(SUPPORTED_HEAD_SIZES)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    block_size, rem = divmod(kv_cache.shape[2], num_kv_heads * head_size)
+    if rem or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not hold {num_kv_heads} x {head_size} heads")
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if not kv_fp8 and kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is neither fp8 e4m3 nor the query's {query.dtype}")
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+
+    per_kv = num_heads // num_kv_heads
+    head_pad = triton.next_power_of_2(head_size)
+    auto_r, auto_n, num_warps = _tiles(max_query_len * per_kv, head_pad)
+    block_r, block_n = block_r or auto_r, block_n or auto_n
+    slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else query  # unread without ALiBi
+    grid = (triton.cdiv(max_query_len * per_kv, block_r), num_seqs, num_kv_heads)
+    _prefix_prefill_kernel[grid](
+        query,
+        key,
+        value,
+        kv_cache[0],
+        kv_cache[1],
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        slopes,
+        scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
+        scale * _LOG2E,
+        float(v_scale if kv_fp8 else 1.0),
+        sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(1),
+        block_tables.stride(0),
+        QUERIES_PER_KV=per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        CACHE_BLOCK=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_WINDOW=sliding_window is not None,
+        KV_FP8=kv_fp8,
+        # Triton's CPU interpreter (3.9) computes bf16 tl.dot wrongly; there, dot in float32 instead.
+        DOT_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return out

@@ -1,0 +1,74 @@
+"""A steady decode workload: an engine sized for B sequences of a given context, with those sequences
+already in its paged cache, and the ``DecodeBatch`` that decodes their next token.
+
+Shared by ``graphrt bench``, ``graphrt profile`` and the scenario scripts in ``profiles/``. The
+cache holds random K/V (nothing is prefilled), so a step costs what a real decode at that context
+costs without paying for the prompts first. Every call of ``decode_runner.decode(batch)`` decodes the
+same position again (it rewrites the same cache slot), so steps stay identical however many run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphrt.capture import DecodeBatch
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+
+
+def decode_engine(
+    model: str,
+    device: str,
+    dtype: str,
+    batch_size: int,
+    context: int,
+    enforce_eager: bool,
+    **options,
+) -> LLMEngine:
+    """An engine for exactly ``batch_size`` sequences of up to ``context`` + 1 tokens: KV blocks for
+    them plus the null block, one capture bucket (``batch_size``), no memory profiling.
+    ``options`` are further ``EngineConfig`` fields (e.g. ``nvtx=True``)."""
+    blocks = batch_size * -(-(context + 1) // BLOCK_SIZE) + 1
+    config = EngineConfig(
+        model=model, device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=context + 1,
+        block_size=BLOCK_SIZE, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[batch_size],
+        **options,
+    )
+    return LLMEngine(config, progress=False)
+
+
+def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int) -> DecodeBatch:
+    """B sequences (ids 0..B-1) of ``context`` tokens each, their blocks filled with random K/V; returns
+    the greedy batch that decodes token ``context`` of each (position ``context`` - 1)."""
+    bm = engine.block_manager
+    for sid in range(batch_size):
+        bm.allocate(sid, context)
+    for kv in engine.runner.kv_caches:
+        kv.normal_()
+    return DecodeBatch(
+        input_ids=[(7 * sid + 3) % engine.model_config.vocab_size for sid in range(batch_size)],
+        positions=[context - 1] * batch_size,
+        block_tables=[bm.block_table(sid) for sid in range(batch_size)],
+        slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
+        params=[SamplingParams(temperature=0.0)] * batch_size,
+        seeds=[0] * batch_size,
+        steps=[0] * batch_size,
+    )
+
+
+def decode_workload(
+    model: str, device: str, dtype: str, batch_size: int, context: int, enforce_eager: bool, **options,
+) -> tuple[LLMEngine, DecodeBatch]:
+    """``decode_engine`` and its ``fill_decode_batch``, in one call."""
+    engine = decode_engine(model, device, dtype, batch_size, context, enforce_eager, **options)
+    return engine, fill_decode_batch(engine, batch_size, context)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

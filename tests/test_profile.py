@@ -1,0 +1,228 @@
+"""``graphrt profile`` and the scenario scripts in profiles/, on CPU: the trace and breakdown files,
+the per-step GPU arithmetic on a synthetic trace, kernel-name shortening, and each scenario run
+small (in process, plus one under the NVTX injection tool to see the ranges Nsight would see)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nvtx_injection
+from graphrt import nvtx as graphrt_nvtx
+from graphrt.cli import main
+from graphrt.profile import GPU_KEYS, STEP_ANNOTATION, analyze_trace, short_kernel_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Every key the breakdown JSON documents (graphrt/profile.py), on every device.
+BREAKDOWN_KEYS = {
+    "model", "device", "dtype", "torch", "batch_size", "context", "steps", "warmup_steps", "mode",
+    "eager_reason", "decode_stats", "trace", "step_wall_us", "step_wall_us_unprofiled", *GPU_KEYS,
+    "top_kernels", "top_cpu_ops", "host_outside_ops_us_per_step", "notes",
+}
+
+
+@pytest.fixture(autouse=True)
+def nvtx_off_afterwards(monkeypatch):
+    """The scenarios ask for NVTX ranges; leave the process's NVTX state off for other tests."""
+    for name in (graphrt_nvtx.ENV_RANGES, graphrt_nvtx.ENV_LAYERS):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    graphrt_nvtx.configure()
+
+
+def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capsys):
+    trace, out = tmp_path / "trace.json", tmp_path / "breakdown.json"
+    code = main(["profile", "--model", "random:tiny", "--device", "cpu", "--batch-size", "2", "--context", "17",
+                 "--steps", "3", "--warmup", "1", "--trace", str(trace), "--json", str(out)])
+    assert code == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"]
+    assert len(steps) == 3 and all(e["ph"] == "X" and e["dur"] > 0 for e in steps)
+    assert any(e.get("cat") == "cpu_op" and e.get("name") == "aten::mm" for e in events)
+
+    result = json.loads(out.read_text())
+    assert set(result) == BREAKDOWN_KEYS
+    assert (result["device"], result["mode"], result["eager_reason"]) == ("cpu", "eager", "no_cuda")
+    assert (result["batch_size"], result["context"], result["steps"], result["trace"]) == (2, 17, 3, str(trace))
+    assert result["step_wall_us"] > 0 and result["step_wall_us_unprofiled"] > 0
+    assert all(result[key] is None for key in GPU_KEYS) and result["top_kernels"] == []
+    ops = {op["name"]: op for op in result["top_cpu_ops"]}
+    assert "aten::mm" in ops and ops["aten::mm"]["count_per_step"] > 0
+    assert all(0 < op["share_of_step"] <= 1 for op in result["top_cpu_ops"])
+    assert any("kernel figures need CUDA" in note for note in result["notes"])
+
+    printed = capsys.readouterr().out
+    assert "step wall time" in printed and "aten::mm" in printed and "kernel figures need CUDA" in printed
+
+
+def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0}
+    if corr is not None:
+        event["args"] = {"correlation": corr}
+    return event
+
+
+def _synthetic_step(t0: float, corr: int) -> list[dict]:
+    """One 100 us step: a graph launch issuing kernels A (20 us), B (20 us), A (10 us), then a 5 us
+    token copy; GPU idle 10 us before, gaps of 2, 8 and 15 us, 10 us after."""
+    return [
+        _x("user_annotation", STEP_ANNOTATION, t0, 100),
+        _x("gpu_user_annotation", STEP_ANNOTATION, t0 + 10, 80),  # GPU-side twin: not a step
+        _x("cuda_runtime", "cudaGraphLaunch", t0 + 5, 3, corr),
+        _x("kernel", "void ns::kernel_a<float>(float*)", t0 + 10, 20, corr),
+        _x("kernel", "kernel_b", t0 + 32, 20, corr),
+        _x("kernel", "void ns::kernel_a<float>(float*)", t0 + 60, 10, corr),
+        _x("cuda_runtime", "cudaMemcpyAsync", t0 + 75, 20, corr + 1),
+        _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", t0 + 85, 5, corr + 1),
+    ]
+
+
+def test_gpu_breakdown_of_a_synthetic_trace():
+    outside = _x("kernel", "warmup_kernel", 500, 10)  # in no step and with no launch: ignored
+    trace = {"traceEvents": _synthetic_step(0, 1) + _synthetic_step(200, 3) + [outside]}
+    r = analyze_trace(trace)
+    assert r["num_steps"] == 2 and r["step_wall_us"] == 100
+    assert r["kernels_per_step"] == 3 and r["kernel_us_per_step"] == 50
+    assert r["memcpy_per_step"] == 1 and r["memset_per_step"] == 0 and r["copy_us_per_step"] == 5
+    assert r["gpu_busy_us_per_step"] == 55 and r["gpu_busy_share"] == 0.55 and r["gpu_idle_us_per_step"] == 45
+    assert (r["idle_before_first_us"], r["idle_between_us"], r["idle_after_last_us"]) == (10, 25, 10)
+    assert r["gaps_per_step"] == 3 and r["gap_mean_us"] == pytest.approx(25 / 3)
+    assert (r["gap_median_us"], r["gap_max_us"]) == (8, 15)
+    assert (r["graph_launches_per_step"], r["graph_kernels_per_step"], r["graph_kernels_visible"]) == (1, 3, True)
+    first, second = r["top_kernels"]
+    assert (first["short_name"], first["count_per_step"], first["us_per_step"]) == ("kernel_a", 2, 30)
+    assert first["mean_us"] == 15 and first["share_of_step"] == 0.3 and first["share_of_kernel_time"] == 0.6
+    assert second["name"] == "kernel_b"
+
+
+def test_graph_launch_without_kernels_is_reported_hidden():
+    events = [
+        _x("user_annotation", STEP_ANNOTATION, 0, 100),
+        _x("cuda_runtime", "cudaGraphLaunch", 5, 3, 1),
+        _x("cuda_runtime", "cudaMemcpyAsync", 75, 20, 2),
+        _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 85, 5, 2),
+    ]
+    r = analyze_trace(events)
+    assert r["kernels_per_step"] == 0 and r["graph_launches_per_step"] == 1 and r["graph_kernels_visible"] is False
+
+
+def test_trace_without_steps_is_an_error():
+    with pytest.raises(ValueError, match="step annotations"):
+        analyze_trace({"traceEvents": [_x("cpu_op", "aten::mm", 0, 5)]})
+
+
+@pytest.mark.parametrize("name, short", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::"
+     "{lambda()#1}::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, "
+     "at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, std::array<char*, 2ul>)",
+     "vectorized_elementwise_kernel<silu_kernel>"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, "
+     "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, std::array<char*, 3ul>)",
+     "vectorized_elementwise_kernel<MulFunctor>"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
+     "unsigned int, long, 4, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4, 4>)",
+     "reduce_kernel<ArgMaxOps>"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, "
+     "true>(at::cuda::detail::TensorInfo<c10::BFloat16, unsigned int>, long)", "indexSelectLargeIndex"),
+    ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<cute::tuple<>, 128> >(Params)",
+     "device_kernel<FlashAttnFwdSm90>"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "nvjet_tst_64x8_64x16_4x1_v_bz_TNT"),
+    ("_paged_decode_kernel", "_paged_decode_kernel"),
+])
+def test_short_kernel_names(name, short):
+    assert short_kernel_name(name) == short
+
+
+def test_long_names_are_cut():
+    assert short_kernel_name("k" * 200, width=20) == "k" * 19 + "…"
+
+
+# -- scenario scripts ------------------------------------------------------------------------------
+
+SCENARIOS = {
+    "steady_decode": ["--batch-size", "3", "--context", "20", "--steps", "4", "--warmup", "1"],
+    "mixed_prefill_decode": ["--batch-size", "2", "--context", "20", "--prompt-len", "9", "--arrivals", "3",
+                             "--arrival-every", "2", "--max-tokens", "3", "--warmup", "1"],
+    "capture": ["--max-num-seqs", "8", "--max-model-len", "64"],
+}
+EXPECTED_OUTPUT = {
+    "steady_decode": "4 steps, median",
+    "mixed_prefill_decode": "6 steps, 3 with a prefill",
+    "capture": "buckets [1, 2, 4, 8], no graphs (no_cuda)",
+}
+
+
+def _load_scenario(name: str):
+    path = ROOT / "profiles" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scenario_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_runs_on_cpu_and_writes_a_torch_trace(name, tmp_path, capsys):
+    module = _load_scenario(name)
+    assert "nsys profile -t cuda,nvtx --cuda-graph-trace=node" in module.__doc__
+    trace = tmp_path / f"{name}.json"
+    argv = ["--model", "random:tiny", "--device", "cpu", *SCENARIOS[name], "--torch-profile", str(trace)]
+    assert module.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert EXPECTED_OUTPUT[name] in printed
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "cpu_op" for e in events)
+    if name != "capture":  # the decode scenarios mark each recorded step
+        steps = [e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"]
+        assert len(steps) == {"steady_decode": 4, "mixed_prefill_decode": 6}[name]
+        assert f"trace {trace}: {len(steps)} steps" in printed
+
+
+def test_mixed_scenario_emits_mixed_steps_under_an_nvtx_tool(tmp_path):
+    try:
+        tool = nvtx_injection.build(tmp_path)
+    except nvtx_injection.ToolUnavailable as exc:
+        pytest.skip(str(exc))
+    record_path = tmp_path / "record.tsv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAPHRT_NVTX", "NVTX_"))}
+    env.update(nvtx_injection.tool_env(tool, record_path), PYTHONPATH=str(ROOT))
+    args = ["--model", "random:tiny", "--device", "cpu", *SCENARIOS["mixed_prefill_decode"]]
+    result = subprocess.run([sys.executable, "profiles/mixed_prefill_decode.py", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    record = nvtx_injection.read(record_path)
+    assert record.domains == ["graphrt"]
+    steps: list[list[str]] = []
+    for r in record.ranges:
+        if r.name == "step":
+            steps.append([])
+        elif len(r.parents) == 1 and r.parent == "step":
+            steps[-1].append(r.message)
+    # Warm-up: the two running prompts prefill together, then decode; then arrivals mix in.
+    assert steps[0] == ["schedule", "prefill seqs=2 tokens=40", "sample"]
+    assert ["schedule", "prefill seqs=1 tokens=9", "sample", "decode batch=2"] in steps
+    assert ["schedule", "decode batch=3"] in steps
+
+
+def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
+    from graphrt.profile import format_breakdown
+
+    r = analyze_trace({"traceEvents": _synthetic_step(0, 1)})
+    r.update(model="m", device="NVIDIA H200", dtype="bfloat16", batch_size=1, context=512, steps=r.pop("num_steps"),
+             warmup_steps=5, mode="cuda_graph", eager_reason=None, trace="t.json", step_wall_us_unprofiled=90.0,
+             top_cpu_ops=[{"name": "cudaGraphLaunch", "count_per_step": 1.0, "self_us_per_step": 3.0,
+                           "total_us_per_step": 3.0, "share_of_step": 0.03}],
+             host_outside_ops_us_per_step=12.0, notes=["a note"])
+    text = format_breakdown(r)
+    assert "CUDA graph" in text and re.search(r"kernels per step +3\.0 +\(3 from 1 graph launch\)", text)
+    assert re.search(r"GPU busy +55\.0 us +55\.0% of step", text)
+    assert re.search(r"GPU idle +45\.0 us +before first 10\.0 us", text)
+    assert "between 25.0 us" in text and "mean 8.3 us" in text
+    assert "kernel_a" in text and "cudaGraphLaunch" in text and "note: a note" in text
