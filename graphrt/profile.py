@@ -439,6 +439,10 @@ def profile_decode(
         notes.append("torch.profiler (CUPTI) reported the kernels inside the replayed CUDA graph individually")
     elif result["graph_kernels_visible"] is False:
         notes.append("torch.profiler showed only the CUDA graph launch, not its kernels: " + NODE_TRACE_HINT)
+    slowdown = result["step_wall_us"] / statistics.median(unprofiled)
+    if slowdown > 1.2:
+        notes.append(f"the profiler slowed the step {slowdown:.1f}x (host side: CUPTI and operator recording); "
+                     "kernel durations hold, but idle and launch figures are upper bounds")
     unexpected = {k: v for k, v in runner.stats.eager_steps.items() if k != runner.eager_reason}
     if unexpected:
         notes.append(f"decode steps that ran eagerly although graphs were on: {unexpected}")
@@ -510,6 +514,13 @@ def format_breakdown(r: dict) -> str:
             f"between {_us(r['idle_between_us'])}, after last {_us(r['idle_after_last_us'])}",
             f"gaps between ops    {r['gaps_per_step']:>12.1f}   mean {_us(r['gap_mean_us'])}, median "
             f"{_us(r['gap_median_us'])}, max {_us(r['gap_max_us'])}",
+        ]
+        if r.get("graph_span_us_per_step") is not None:
+            span, idle = r["graph_span_us_per_step"], r["graph_idle_us_per_step"]
+            lines.append(f"graph replay        {_us(span):>12}   first node {_us(r['graph_start_us'])} into the step; "
+                         f"idle inside {_us(idle)} ({_pct(idle / span if span else None)}), mean gap "
+                         f"{r['graph_gap_mean_us']:.2f} us")
+        lines += [
             "",
             f"{'top kernels':<66} {'n/step':>7} {'us/step':>9} {'mean us':>8} {'% step':>7}",
         ]

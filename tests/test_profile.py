@@ -97,6 +97,10 @@ def test_gpu_breakdown_of_a_synthetic_trace():
     assert r["gaps_per_step"] == 3 and r["gap_mean_us"] == pytest.approx(25 / 3)
     assert (r["gap_median_us"], r["gap_max_us"]) == (8, 15)
     assert (r["graph_launches_per_step"], r["graph_kernels_per_step"], r["graph_kernels_visible"]) == (1, 3, True)
+    # The replay alone: its kernels from 10 to 70 us, 50 us busy, gaps of 2 and 8 us.
+    assert (r["graph_start_us"], r["graph_span_us_per_step"], r["graph_idle_us_per_step"]) == (10, 60, 10)
+    assert r["graph_gap_mean_us"] == 5
+    assert r["host_outside_ops_us_per_step"] == 100 - 3 - 20  # the two runtime calls are the host's work
     first, second = r["top_kernels"]
     assert (first["short_name"], first["count_per_step"], first["us_per_step"]) == ("kernel_a", 2, 30)
     assert first["mean_us"] == 15 and first["share_of_step"] == 0.3 and first["share_of_kernel_time"] == 0.6
@@ -112,6 +116,7 @@ def test_graph_launch_without_kernels_is_reported_hidden():
     ]
     r = analyze_trace(events)
     assert r["kernels_per_step"] == 0 and r["graph_launches_per_step"] == 1 and r["graph_kernels_visible"] is False
+    assert r["graph_span_us_per_step"] is None
 
 
 def test_trace_without_steps_is_an_error():
@@ -219,10 +224,11 @@ def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
              warmup_steps=5, mode="cuda_graph", eager_reason=None, trace="t.json", step_wall_us_unprofiled=90.0,
              top_cpu_ops=[{"name": "cudaGraphLaunch", "count_per_step": 1.0, "self_us_per_step": 3.0,
                            "total_us_per_step": 3.0, "share_of_step": 0.03}],
-             host_outside_ops_us_per_step=12.0, notes=["a note"])
+             notes=["a note"])
     text = format_breakdown(r)
     assert "CUDA graph" in text and re.search(r"kernels per step +3\.0 +\(3 from 1 graph launch\)", text)
     assert re.search(r"GPU busy +55\.0 us +55\.0% of step", text)
     assert re.search(r"GPU idle +45\.0 us +before first 10\.0 us", text)
+    assert re.search(r"graph replay +60\.0 us +first node 10\.0 us into the step; idle inside 10\.0 us", text)
     assert "between 25.0 us" in text and "mean 8.3 us" in text
     assert "kernel_a" in text and "cudaGraphLaunch" in text and "note: a note" in text
