@@ -16,7 +16,7 @@ import torch
 from .backend import AttentionBackend, AttentionImpl
 from .graph_state import DecodeGraphState
 from .metadata import AttentionMetadata
-from .reference import SUPPORTED_HEAD_SIZES
+from .reference import SUPPORTED_HEAD_SIZES, attend
 
 #: Key of the decode split-K workspace in ``DecodeGraphState.extras``.
 _WORKSPACE = "decode_workspace"
@@ -69,15 +69,22 @@ class TritonAttentionImpl(AttentionImpl):
 
     def _run_prefill(self, q, k, v, kv_cache, prefill: AttentionMetadata, alibi, kv_scale, out) -> None:
         uncached = all(c == 0 for c in prefill.context_lens)
-        if uncached and self._use_xformers and q.dtype in (torch.float16, torch.bfloat16):
+        if uncached and self._use_xformers:  # flash for fp16/bf16; xFormers dispatches fp32 to cutlass
             plan = _shared_prefill_plan(self._xformers, prefill, heads=self.num_heads, dtype=q.dtype,
                                         device=q.device, window=self.sliding_window, alibi=alibi)
             out.copy_(self._xformers.xformers_prefill(
                 q, k, v, prefill.query_lens, self.scale, self.sliding_window, alibi, plan=plan
             ))
             return
-        if kv_cache is None:
-            raise ValueError("prefill without xFormers reads the KV cache; none was given")
+        if kv_cache is None:  # memory profiling without xFormers: nothing cached, plain attention
+            if not uncached:
+                raise ValueError("without a KV cache every sequence must have an empty context")
+            start = 0
+            for q_len in prefill.query_lens:
+                rows = slice(start, start + q_len)
+                out[rows] = attend(q[rows], k[rows], v[rows], 0, self.scale, self.sliding_window, alibi).to(out.dtype)
+                start += q_len
+            return
         self._prefix_prefill(
             q, k, v, kv_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens_tensor,
             prefill.max_query_len, self.scale, self.sliding_window, alibi, kv_scale, kv_scale, out=out,

@@ -21,14 +21,19 @@ Per step (means over the recorded steps), all times in microseconds:
   ``gap_median_us``, ``gap_max_us``.
 - ``graph_launches_per_step`` and ``graph_kernels_per_step`` (kernels issued by a graph launch);
   ``graph_kernels_visible``: whether replayed graphs showed their kernels individually (None when no
-  graph was replayed).
+  graph was replayed). The replay alone, from its first node's start to its last node's end:
+  ``graph_start_us`` (where it starts in the step), ``graph_span_us_per_step``,
+  ``graph_idle_us_per_step`` (span - busy) and ``graph_gap_mean_us`` (between consecutive nodes).
 - ``top_kernels``: ``name``, ``short_name``, ``count_per_step``, ``us_per_step``, ``mean_us``,
   ``share_of_step`` (of the wall time), ``share_of_kernel_time``.
-- ``top_cpu_ops``: host operators by self time: ``name``, ``count_per_step``, ``self_us_per_step``,
-  ``total_us_per_step``, ``share_of_step``; ``host_outside_ops_us_per_step``: step time spent in
-  Python outside any recorded operator.
+- ``top_cpu_ops``: host operators and runtime calls by self time: ``name``, ``count_per_step``,
+  ``self_us_per_step``, ``total_us_per_step``, ``share_of_step``; ``host_outside_ops_us_per_step``:
+  step time on the step's thread outside any recorded operator or runtime call (Python).
 
-On CPU the GPU figures are None and ``notes`` says that kernel figures need CUDA.
+On CPU the GPU figures are None and ``notes`` says that kernel figures need CUDA. The profiler slows
+the host side (operator recording; CUPTI makes a graph launch cost about a millisecond), so
+``step_wall_us`` exceeds ``step_wall_us_unprofiled``: kernel durations hold, idle and launch
+figures are upper bounds, and a note says by how much the step slowed.
 """
 
 from __future__ import annotations
@@ -165,9 +170,9 @@ def _from_graph(kernel: dict, launch: tuple[int, bool] | None) -> bool:
 
 
 def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOTATION) -> dict:
-    """Per-step GPU breakdown of a torch.profiler Chrome trace whose steps are ``step_name``
-    annotations. Returns ``num_steps``, ``step_wall_us``, ``top_kernels`` and every ``GPU_KEYS`` key;
-    the GPU keys are None when the trace holds no GPU activity."""
+    """Per-step breakdown of a torch.profiler Chrome trace whose steps are ``step_name`` annotations.
+    Returns ``num_steps``, ``step_wall_us``, ``host_outside_ops_us_per_step``, ``top_kernels`` and
+    every ``GPU_KEYS`` key; the GPU keys are None when the trace holds no GPU activity."""
     events = _events(trace)
     steps = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("name") == step_name and e.get("cat") == "user_annotation"),
@@ -420,7 +425,8 @@ def profile_decode(
     stats_before = runner.stats.as_dict()
 
     # One discarded step under the profiler first: the first recorded step pays for its start-up.
-    with profile(activities=profiler_activities(dev), schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+    cycle = schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with profile(activities=profiler_activities(dev), schedule=cycle, acc_events=True) as prof:  # one cycle: keep it
         for _ in range(steps + 1):
             synchronize(dev)
             with step_annotation():

@@ -16,8 +16,9 @@ pytestmark = [
 ]
 
 MAX_SEQS = 32
+# A fixed cache: engines of earlier tests still hold theirs, and a memory fraction would see that.
 TINY = dict(model="random:tiny", device="cuda", progress=False, max_num_seqs=MAX_SEQS, max_model_len=256,
-            loader_options={"init_std": 0.5})
+            num_kv_blocks=4096, loader_options={"init_std": 0.5})
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])

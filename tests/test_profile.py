@@ -53,6 +53,7 @@ def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capsys):
     assert (result["device"], result["mode"], result["eager_reason"]) == ("cpu", "eager", "no_cuda")
     assert (result["batch_size"], result["context"], result["steps"], result["trace"]) == (2, 17, 3, str(trace))
     assert result["step_wall_us"] > 0 and result["step_wall_us_unprofiled"] > 0
+    assert 0 < result["host_outside_ops_us_per_step"] < result["step_wall_us"]
     assert all(result[key] is None for key in GPU_KEYS) and result["top_kernels"] == []
     ops = {op["name"]: op for op in result["top_cpu_ops"]}
     assert "aten::mm" in ops and ops["aten::mm"]["count_per_step"] > 0
