@@ -13,6 +13,9 @@ import torch
 from .graph_state import DecodeGraphState
 from .metadata import AttentionMetadata
 
+#: Head sizes every backend's kernels are built and tested for.
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+
 
 class AttentionImpl(ABC):
     """One layer's attention. Raises ``ValueError`` for a head size the backend cannot run."""
@@ -26,18 +29,28 @@ class AttentionImpl(ABC):
         alibi_slopes: list[float] | None = None,
         sliding_window: int | None = None,
     ) -> None:
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head size {head_size} is not supported; supported head sizes: {list(SUPPORTED_HEAD_SIZES)}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
-        self.alibi_slopes = alibi_slopes
         if alibi_slopes is not None and len(alibi_slopes) != num_heads:
             raise ValueError(f"{len(alibi_slopes)} ALiBi slopes given for {num_heads} heads")
+        #: [H] float32 ALiBi slopes, moved to the device on first use; None without ALiBi.
+        self._alibi = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.sliding_window = sliding_window
+
+    def alibi_slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes on ``device``; the first (eager, warm-up) call moves them, so a captured
+        graph never copies from the host."""
+        if self._alibi is not None and self._alibi.device != device:
+            self._alibi = self._alibi.to(device)
+        return self._alibi
 
     @abstractmethod
     def forward(
@@ -72,12 +85,14 @@ class AttentionBackend(ABC):
         return AttentionMetadata.from_seqlens(**kwargs)
 
     @staticmethod
-    @abstractmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]: ...
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """One layer's cache in the paged layout all graphrt backends share, so they can be swapped:
+        ``[2, num_blocks, block_size * KVH * D]``, keys then values, token-major within a block."""
+        return (2, num_blocks, block_size * num_kv_heads * head_size)
 
     @staticmethod
-    @abstractmethod
-    def get_supported_head_sizes() -> list[int]: ...
+    def get_supported_head_sizes() -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
 
     @classmethod
     @abstractmethod

@@ -12,7 +12,6 @@ import torch
 from .backend import AttentionBackend, AttentionImpl
 from .metadata import AttentionMetadata
 
-SUPPORTED_HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 
 
 def write_to_paged_cache(
@@ -120,20 +119,14 @@ def decode_attention(
 
 
 class ReferenceAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None):
-        if head_size not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(f"head size {head_size} is not supported; supported head sizes: {SUPPORTED_HEAD_SIZES}")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window)
-        self._alibi = torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
+    """float32 attention in plain torch: prefills one sequence at a time, decodes batched."""
 
     def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0):
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         if kv_cache is not None:
             write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
-        if self._alibi is not None and self._alibi.device != query.device:
-            self._alibi = self._alibi.to(query.device)  # first (eager, warm-up) call: never in capture
-        alibi = self._alibi
+        alibi = self.alibi_slopes_on(query.device)
         out = torch.empty_like(q)
         num_prefill_tokens = attn_metadata.num_prefill_tokens
         prefill = attn_metadata.prefill_metadata
@@ -177,14 +170,6 @@ class ReferenceAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls():
         return ReferenceAttentionImpl
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size * num_kv_heads * head_size)
-
-    @staticmethod
-    def get_supported_head_sizes():
-        return list(SUPPORTED_HEAD_SIZES)
 
     @classmethod
     def unusable_reason(cls, device):

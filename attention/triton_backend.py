@@ -16,7 +16,7 @@ import torch
 from .backend import AttentionBackend, AttentionImpl
 from .graph_state import DecodeGraphState
 from .metadata import AttentionMetadata
-from .reference import SUPPORTED_HEAD_SIZES, attend
+from .reference import attend
 
 #: Key of the decode split-K workspace in ``DecodeGraphState.extras``.
 _WORKSPACE = "decode_workspace"
@@ -24,8 +24,6 @@ _WORKSPACE = "decode_workspace"
 
 class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None):
-        if head_size not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(f"head size {head_size} is not supported; supported head sizes: {SUPPORTED_HEAD_SIZES}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window)
         # Imported here, not at module level, so that importing graphrt never compiles or imports
         # Triton on machines that cannot run it.
@@ -37,16 +35,13 @@ class TritonAttentionImpl(AttentionImpl):
         self._prefix_prefill = triton_prefix_prefill.triton_prefix_prefill
         self._xformers = xformers_prefill
         self._use_xformers = xformers_status().usable
-        self._alibi = torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
 
     def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0):
         num_tokens = query.shape[0]
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         if kv_cache is not None:
             self._write(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], kv_heads, kv_scale, kv_scale)
-        if self._alibi is not None and self._alibi.device != query.device:
-            self._alibi = self._alibi.to(query.device)  # first (eager, warm-up) call: never in capture
-        alibi = self._alibi
+        alibi = self.alibi_slopes_on(query.device)
         q = query.view(num_tokens, heads, size)
         out = torch.empty_like(q)
         num_prefill_tokens = attn_metadata.num_prefill_tokens
@@ -117,14 +112,6 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls():
         return TritonAttentionImpl
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size * num_kv_heads * head_size)
-
-    @staticmethod
-    def get_supported_head_sizes():
-        return list(SUPPORTED_HEAD_SIZES)
 
     @classmethod
     def unusable_reason(cls, device):

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+from .backend import SUPPORTED_HEAD_SIZES
+
 _LOG2E = 1.4426950408889634
 
 

@@ -13,6 +13,7 @@ over-long contexts, ``enforce_eager`` and failed captures run eagerly and are co
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -137,11 +138,14 @@ class DecodeGraphRunner:
         self.stats.num_graphs = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        logger.info(
-            "captured %d decode graphs (batch sizes %d..%d, context <= %d) in %.1f s, pool %.0f MiB",
-            self.stats.num_graphs, self.capture_sizes[0], self.max_batch_size, self.max_seq_len,
-            self.stats.capture_seconds, self.stats.pool_bytes / 2**20,
+        summary = (
+            f"captured {self.stats.num_graphs} decode graphs (batch sizes {self.capture_sizes[0]}.."
+            f"{self.max_batch_size}, context <= {self.max_seq_len}) in {self.stats.capture_seconds:.1f} s, "
+            f"pool {self.stats.pool_bytes / 2**20:.0f} MiB"
         )
+        if progress:  # the line that closes the progress bar, like it on stderr
+            print(f"graphrt: {summary}", file=sys.stderr)
+        logger.info(summary)
         return self.stats
 
     # -- decode ------------------------------------------------------------------------------------

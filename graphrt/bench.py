@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .config import resolve_dtype
 from .engine import LLMEngine
 from .workload import decode_engine, fill_decode_batch, synchronize
 
@@ -122,7 +123,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             print(format_row(rows[-1]), flush=True)
     return {
         "model": model,
-        "dtype": dtype,
+        "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if use_cuda else "cpu",
         "torch": torch.__version__,
         "hbm_read_bandwidth_gbps": None if bandwidth is None else round(bandwidth / 1e9, 1),
