@@ -153,11 +153,9 @@ class AttentionMetadata:
             raise ValueError(f"slot_mapping has {len(slot_mapping)} entries for {sum(query_lens)} tokens")
         width = max((len(t) for t in block_tables), default=0) or 1
         padded_tables = [t + [0] * (width - len(t)) for t in block_tables]
-        pin = device.type == "cuda"
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype, pin_memory=pin)
-            return host.to(device, non_blocking=True)
+            return pinned_to_device(values, dtype, device)
 
         query_starts = [0]
         for q in query_lens:
@@ -182,3 +180,10 @@ class AttentionMetadata:
             kv_cache_dtype=kv_cache_dtype,
             max_decode_seq_len=max_decode_seq_len,
         )
+
+
+def pinned_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``: through pinned memory and a non-blocking copy on CUDA,
+    so host code never waits for the device."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

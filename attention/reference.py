@@ -118,6 +118,27 @@ def decode_attention(
     return out.reshape(batch, num_heads, head_size)
 
 
+def attend_uncached_prompts(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefill: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    alibi_slopes: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Prompts with nothing cached (memory profiling runs without a cache), one at a time, each over
+    its own tokens. query/out: [T, H, D]; key, value: [T, KVH, D]."""
+    if any(prefill.context_lens):
+        raise ValueError("without a KV cache every sequence must have an empty context")
+    start = 0
+    for q_len in prefill.query_lens:
+        rows = slice(start, start + q_len)
+        out[rows] = attend(query[rows], key[rows], value[rows], 0, scale, sliding_window, alibi_slopes).to(out.dtype)
+        start += q_len
+
+
 class ReferenceAttentionImpl(AttentionImpl):
     """float32 attention in plain torch: prefills one sequence at a time, decodes batched."""
 
@@ -144,20 +165,17 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     def _prefill(self, q, key, value, kv_cache, metadata: AttentionMetadata, alibi, out) -> None:
         """One sequence at a time (host lengths); prefills occupy the first tokens of the step."""
+        if kv_cache is None:
+            num = metadata.num_prefill_tokens
+            k = key[:num].view(num, self.num_kv_heads, self.head_size)
+            v = value[:num].view(num, self.num_kv_heads, self.head_size)
+            attend_uncached_prompts(q, k, v, metadata, self.scale, self.sliding_window, alibi, out)
+            return
         token = 0
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
-            context_len = seq_len - q_len
-            if kv_cache is not None:
-                k, v = gather_from_paged_cache(
-                    kv_cache, metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size
-                )
-            elif context_len == 0:
-                k = key[token:token + q_len].view(q_len, self.num_kv_heads, self.head_size)
-                v = value[token:token + q_len].view(q_len, self.num_kv_heads, self.head_size)
-            else:
-                raise ValueError("without a KV cache every sequence must have an empty context")
+            k, v = gather_from_paged_cache(kv_cache, metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size)
             out[token:token + q_len] = attend(
-                q[token:token + q_len], k, v, context_len, self.scale, self.sliding_window, alibi
+                q[token:token + q_len], k, v, seq_len - q_len, self.scale, self.sliding_window, alibi
             ).to(out.dtype)
             token += q_len
 

@@ -3,7 +3,8 @@ prefill of uncached prompts. Same cache layout as the reference backend (see ``r
 
 Per step: new K/V are written to their slots (slot -1 skipped); prompts with nothing cached go to
 xFormers (flash on the H200) when it is usable, otherwise to the prefix-prefill kernel, which also
-serves prompts whose prefix is cached (recompute after preemption, prefix reuse); decodes go to the
+serves prompts whose prefix is already cached (metadata with context_lens > 0, e.g. an embedding
+engine's prefix reuse; graphrt's own engine recomputes preempted sequences from scratch); decodes go to the
 split-K paged decode kernel, whose launch shape depends only on the batch and ``max_decode_seq_len``.
 """
 
@@ -16,7 +17,7 @@ import torch
 from .backend import AttentionBackend, AttentionImpl
 from .graph_state import DecodeGraphState
 from .metadata import AttentionMetadata
-from .reference import attend
+from .reference import attend_uncached_prompts
 
 #: Key of the decode split-K workspace in ``DecodeGraphState.extras``.
 _WORKSPACE = "decode_workspace"
@@ -72,13 +73,7 @@ class TritonAttentionImpl(AttentionImpl):
             ))
             return
         if kv_cache is None:  # memory profiling without xFormers: nothing cached, plain attention
-            if not uncached:
-                raise ValueError("without a KV cache every sequence must have an empty context")
-            start = 0
-            for q_len in prefill.query_lens:
-                rows = slice(start, start + q_len)
-                out[rows] = attend(q[rows], k[rows], v[rows], 0, self.scale, self.sliding_window, alibi).to(out.dtype)
-                start += q_len
+            attend_uncached_prompts(q, k, v, prefill, self.scale, self.sliding_window, alibi, out)
             return
         self._prefix_prefill(
             q, k, v, kv_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens_tensor,

@@ -110,14 +110,15 @@ class DecodeGraphRunner:
             with torch.inference_mode():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
-                # Warm-up also proves the step never syncs with the host: a sync raises here,
-                # naming the operation, instead of invalidating the capture later.
+                # Warm-up runs every graph's step once, so that kernels specialised per batch size
+                # (e.g. decode split counts) compile outside capture, and proves the step never syncs
+                # with the host: a sync raises here, naming the operation, instead of invalidating
+                # the capture later.
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.cuda.stream(side):
-                        for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, both modes
-                            for _ in range(2):
-                                self._forward(size, mode)
+                        for size, mode in keys:
+                            self._forward(size, mode)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)
@@ -157,11 +158,13 @@ class DecodeGraphRunner:
         Not re-entrant: staging buffers are reused, and this call waits for its tokens, which also
         guarantees the previous step's copies finished before the next overwrites staging.
         """
+        if not len(batch):
+            return []
         reason = self._eager_reason_for(batch)
         if reason is not None:
             self.stats.eager_steps[reason] += 1
             with nvtx.decode_eager(len(batch), reason):
-                if reason in (EagerReason.BATCH_TOO_LARGE, EagerReason.CONTEXT_TOO_LONG):
+                if not self._fits_static_buffers(batch):
                     return self._decode_unbuffered(batch)
                 # No graph to match: bound attention by this batch's longest row, not the captured maximum.
                 return self._decode_static(batch, len(batch), replay=False, max_seq_len=max(batch.seq_lens))
@@ -174,9 +177,9 @@ class DecodeGraphRunner:
     def eager_decode(self, batch: DecodeBatch) -> list[int]:
         """The step a replay would run (same padded bucket, static buffers and kernels) executed
         without the graph: what replays are checked against. Not counted in ``stats``."""
-        padded = choose_bucket(self.capture_sizes, len(batch))
-        if padded is None or max(batch.seq_lens, default=0) > self.max_seq_len:
+        if not self._fits_static_buffers(batch):
             raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
+        padded = choose_bucket(self.capture_sizes, len(batch))
         return self._decode_static(batch, padded, replay=False)
 
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
@@ -197,11 +200,16 @@ class DecodeGraphRunner:
         return self.logits[:batch_size]
 
     def _eager_reason_for(self, batch: DecodeBatch) -> str | None:
+        if self.eager_reason is not None:  # no graphs at all: the runner-wide reason explains the step
+            return self.eager_reason
         if len(batch) > self.max_batch_size:
             return EagerReason.BATCH_TOO_LARGE
         if max(batch.seq_lens, default=0) > self.max_seq_len:
             return EagerReason.CONTEXT_TOO_LONG
-        return self.eager_reason
+        return None
+
+    def _fits_static_buffers(self, batch: DecodeBatch) -> bool:
+        return len(batch) <= self.max_batch_size and max(batch.seq_lens, default=0) <= self.max_seq_len
 
     def _refresh(self, batch: DecodeBatch, padded: int) -> None:
         size = len(batch)

@@ -194,7 +194,8 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Tokens per KV-cache block.
     block_size: int = 16
-    #: Most tokens one forward pass takes (prefill chunks are not split: a prompt must fit).
+    #: Most prompt tokens one prefill forward takes. Prompts are not split, and a preempted sequence is
+    #: recomputed in one piece, so the engine raises this to max_model_len when it is smaller.
     max_num_batched_tokens: int | None = None
     #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False

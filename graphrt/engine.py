@@ -18,7 +18,7 @@ from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .errors import ConfigError, InvalidRequestError
 from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from .loader import load_weights_into, open_checkpoint
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, profile_prefill_peak_memory
 from .models.llama import LlamaForCausalLM
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -69,9 +69,7 @@ class LLMEngine:
             device=self.device,
         )
         self.decode_runner.capture(progress=progress)
-        self.runner = ModelRunner(
-            self.model, kv_caches, self.attention_backend, self.block_manager, self.device, self.decode_runner
-        )
+        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -97,7 +95,8 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids, params)
         seq_id = next(self._seq_ids)
-        request_id = str(seq_id) if request_id is None else str(request_id)
+        # Generated ids carry a prefix so they cannot collide with ids a caller chose.
+        request_id = f"req-{seq_id}" if request_id is None else str(request_id)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_source.randrange(2**63)
@@ -134,11 +133,11 @@ class LLMEngine:
 
     def error_output(self, prompt: str | list[int], error: Exception, request_id: str) -> RequestOutput:
         """The output of a request rejected by ``add_request``."""
-        is_text = isinstance(prompt, str)
+        is_ids = isinstance(prompt, (list, tuple))
         return RequestOutput(
             request_id=request_id,
-            prompt=prompt if is_text else None,
-            prompt_token_ids=[] if is_text else list(prompt),
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(prompt) if is_ids else [],
             finish_reason="error",
             error=str(error),
         )
@@ -174,7 +173,8 @@ class LLMEngine:
                 "which leaves no room for a generated token"
             )
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_needed(longest)
+        # The last token is sampled, never fed back: its K/V needs no slot.
+        needed = self.block_manager.blocks_needed(longest - 1)
         if needed > self.block_manager.num_usable_blocks:
             raise InvalidRequestError(
                 f"request may grow to {longest} tokens ({needed} KV blocks) but the cache has only "
@@ -225,9 +225,11 @@ class LLMEngine:
     def _profile_gpu_num_blocks(self) -> int:
         """Blocks that fit in ``gpu_memory_utilization`` of the device after weights and the activation
         peak of a full-budget prefill (measured), minus memory other processes hold."""
-        probe = ModelRunner(self.model, [], self.attention_backend, BlockManager(2, self.config.block_size), self.device)
         torch.cuda.empty_cache()
-        peak = probe.profile_peak_memory(self.max_num_batched_tokens, min(self.max_model_len, _PROFILE_SEQ_LEN))
+        peak = profile_prefill_peak_memory(
+            self.model, self.attention_backend, self.config.block_size, self.device,
+            self.max_num_batched_tokens, min(self.max_model_len, _PROFILE_SEQ_LEN),
+        )
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)

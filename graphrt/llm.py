@@ -66,10 +66,13 @@ class LLM:
                 pending[self.engine.add_request(prompt, p)] = index
             except GraphrtError as exc:
                 results[index] = self.engine.error_output(prompt, exc, request_id=f"rejected-{index}")
-        while self.engine.has_unfinished_requests():
+        unfinished = len(pending)
+        while unfinished:
             for output in self.engine.step():
-                if output.finished:
+                # Requests added through the engine directly may share these steps: not ours to return.
+                if output.finished and output.request_id in pending:
                     results[pending[output.request_id]] = output
+                    unfinished -= 1
         return results  # type: ignore[return-value]
 
     def chat(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from graphrt.attention import AttentionBackend
+from graphrt.attention.metadata import pinned_to_device
 from graphrt.capture import DecodeBatch, DecodeGraphRunner
 
 from . import nvtx
@@ -21,7 +22,7 @@ from .sequence import Sequence
 
 
 class ModelRunner:
-    """Eager execution of mixed prefill/decode steps over the paged KV cache.
+    """Runs scheduled steps over the paged KV cache: prefills eagerly, decodes through ``decode_runner``.
 
     kv_caches: one tensor per layer, shaped by ``backend.get_kv_cache_shape``.
     """
@@ -32,22 +33,19 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         backend: type[AttentionBackend],
         block_manager: BlockManager,
-        device: torch.device,
-        decode_runner: DecodeGraphRunner | None = None,
+        decode_runner: DecodeGraphRunner,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_manager = block_manager
-        self.device = device
-        self.block_size = block_manager.block_size
         self.decode_runner = decode_runner
+        self.device = decode_runner.device
+        self.block_size = block_manager.block_size
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[int]:
         """Run one step; returns the sampled token id of each sequence, prefills first then decodes."""
-        if self.decode_runner is None:
-            return self._execute_eager(prefills + decodes, num_prefills=len(prefills))
-        tokens = self._execute_eager(prefills, num_prefills=len(prefills)) if prefills else []
+        tokens = self._prefill(prefills) if prefills else []
         if decodes:
             with nvtx.decode(len(decodes)):
                 tokens += self.decode_runner.decode(self._decode_batch(decodes))
@@ -58,7 +56,7 @@ class ModelRunner:
     def _decode_batch(self, decodes: list[Sequence]) -> DecodeBatch:
         positions = [seq.num_tokens - 1 for seq in decodes]
         return DecodeBatch(
-            input_ids=[seq.all_token_ids[-1] for seq in decodes],
+            input_ids=[seq.last_token_id for seq in decodes],
             positions=positions,
             block_tables=[self.block_manager.block_table(seq.seq_id) for seq in decodes],
             slot_mapping=[self.block_manager.slot(seq.seq_id, p) for seq, p in zip(decodes, positions)],
@@ -68,29 +66,30 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _execute_eager(self, seqs: list[Sequence], num_prefills: int) -> list[int]:
-        """One eager forward over ``seqs`` (the first ``num_prefills`` prefill, the rest decode)."""
-        with self._forward_range(seqs, num_prefills):
-            input_ids: list[int] = []
-            positions: list[int] = []
-            slots: list[int] = []
-            query_lens: list[int] = []
-            for seq in seqs:
-                start, end = seq.num_computed_tokens, seq.num_tokens
-                input_ids.extend(seq.all_token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(self.block_manager.slots(seq.seq_id, start, end))
-                query_lens.append(end - start)
+    def _prefill(self, seqs: list[Sequence]) -> list[int]:
+        """One eager forward over every sequence's uncomputed tokens, then one sampled token each."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_tokens
+            input_ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.block_manager.slots(seq.seq_id, start, end))
+            query_lens.append(end - start)
+        with nvtx.prefill(len(seqs), len(input_ids)):
             metadata = self.backend.make_metadata(
                 query_lens=query_lens,
                 seq_lens=[seq.num_tokens for seq in seqs],
-                num_prefills=num_prefills,
+                num_prefills=len(seqs),
                 block_tables=[self.block_manager.block_table(seq.seq_id) for seq in seqs],
                 slot_mapping=slots,
                 block_size=self.block_size,
                 device=self.device,
             )
-            hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, metadata)
+            ids = pinned_to_device(input_ids, torch.int64, self.device)
+            hidden = self.model(ids, pinned_to_device(positions, torch.int64, self.device), self.kv_caches, metadata)
             last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
             logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
         with nvtx.range("sample"):
@@ -105,37 +104,32 @@ class ModelRunner:
             seq.num_computed_tokens = seq.num_tokens
         return token_ids
 
-    @staticmethod
-    def _forward_range(seqs: list[Sequence], num_prefills: int):
-        """``prefill seqs=S tokens=T [decodes=D]`` for a forward with prompts, ``decode batch=B`` otherwise."""
-        if not num_prefills:
-            return nvtx.decode(len(seqs))
-        prompt_tokens = sum(seq.num_tokens - seq.num_computed_tokens for seq in seqs[:num_prefills])
-        return nvtx.prefill(num_prefills, prompt_tokens, num_decodes=len(seqs) - num_prefills)
 
-    @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, max_seq_len: int) -> int:
-        """Peak CUDA bytes of a prefill of ``num_tokens`` tokens (in sequences of at most
-        ``max_seq_len``) with no KV cache; sizes the cache on GPU."""
-        seq_lens = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
-        metadata = self.backend.make_metadata(
-            query_lens=seq_lens,
-            seq_lens=seq_lens,
-            num_prefills=len(seq_lens),
-            block_tables=[[] for _ in seq_lens],
-            slot_mapping=[-1] * num_tokens,
-            block_size=self.block_size,
-            device=self.device,
-        )
-        vocab = self.model.config.vocab_size
-        input_ids = torch.randint(0, vocab, (num_tokens,), device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
-        torch.cuda.reset_peak_memory_stats(self.device)
-        hidden = self.model(input_ids, positions, [None] * len(self.model.layers), metadata)
-        self.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
+@torch.inference_mode()
+def profile_prefill_peak_memory(
+    model: LlamaForCausalLM,
+    backend: type[AttentionBackend],
+    block_size: int,
+    device: torch.device,
+    num_tokens: int,
+    max_seq_len: int,
+) -> int:
+    """Peak CUDA bytes of a prefill of ``num_tokens`` tokens (in sequences of at most ``max_seq_len``)
+    with no KV cache; sizes the cache on GPU."""
+    seq_lens = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
+    metadata = backend.make_metadata(
+        query_lens=seq_lens,
+        seq_lens=seq_lens,
+        num_prefills=len(seq_lens),
+        block_tables=[[] for _ in seq_lens],
+        slot_mapping=[-1] * num_tokens,
+        block_size=block_size,
+        device=device,
+    )
+    input_ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
+    torch.cuda.reset_peak_memory_stats(device)
+    hidden = model(input_ids, positions, [None] * len(model.layers), metadata)
+    model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

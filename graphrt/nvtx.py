@@ -11,9 +11,8 @@ A range's message is its name, optionally followed by a space and ``key=value`` 
 - ``load``: opening the checkpoint, building the model, filling its weights (engine init).
 - ``step``: one ``LLMEngine.step``; ``schedule``, ``prefill``/``decode`` and ``sample`` nest in it.
 - ``schedule``: choosing the step's sequences and KV blocks.
-- ``prefill seqs=S tokens=T``, or ``prefill seqs=S tokens=T decodes=D`` when D decoding sequences
-  share the forward: inputs, forward and logits of a step that has prompts.
-- ``decode batch=B``: inputs, forward and logits of a decode-only step; holds one of:
+- ``prefill seqs=S tokens=T``: inputs, forward and logits of the step's S prompts (T new tokens).
+- ``decode batch=B``: the step's decode of B sequences (after its prefill, if any); holds one of:
 - ``decode.prepare``: refreshing the static inputs of a CUDA graph, then
   ``decode.replay batch=B padded=P``: replaying the graph captured for padded batch P; or
 - ``decode.eager batch=B reason=R``: an eager decode, R saying why it is not a replay (the graph
@@ -195,17 +194,15 @@ def range(name: str):  # noqa: A001 - NVTX's own word for it
     return found if found is not None else _build(_named, name, name)
 
 
-def prefill(num_seqs: int, num_tokens: int, num_decodes: int = 0):
-    """``prefill seqs=S tokens=T``: a forward over S prompts' T tokens (``decodes=D`` when D > 0
-    decoding sequences share the forward)."""
+def prefill(num_seqs: int, num_tokens: int):
+    """``prefill seqs=S tokens=T``: an eager forward over S prompts' T new tokens."""
     if not _enabled:
         return NULL_RANGE
-    key = (num_seqs, num_tokens, num_decodes)
+    key = (num_seqs, num_tokens)
     found = _prefills.get(key)
     if found is not None:
         return found
-    message = f"prefill seqs={num_seqs} tokens={num_tokens}" + (f" decodes={num_decodes}" if num_decodes else "")
-    return _build(_prefills, key, message)
+    return _build(_prefills, key, f"prefill seqs={num_seqs} tokens={num_tokens}")
 
 
 def decode(batch: int):

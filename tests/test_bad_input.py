@@ -47,6 +47,22 @@ def test_bad_requests_do_not_stop_the_batch(llm):
     assert [outputs[0].token_ids, outputs[3].token_ids] == [o.token_ids for o in alone]
 
 
+def test_malformed_prompts_do_not_stop_the_batch(llm):
+    outputs = llm.generate([[5, 6, 7], 12, None], GREEDY)
+    assert [o.finish_reason for o in outputs] == ["length", "error", "error"]
+    assert "got int" in outputs[1].error and "got NoneType" in outputs[2].error
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_leaves_other_requests_alone(llm):
+    """A request added through the engine directly may share generate's steps without breaking it."""
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="0")
+    [out] = llm.generate([[4, 5]], GREEDY)
+    assert out.finish_reason == "length" and out.request_id != "0"
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
 def test_request_larger_than_the_cache_is_rejected():
     small = LLM(**TINY, num_kv_blocks=3)  # 2 usable blocks = 32 tokens
     with pytest.raises(InvalidRequestError, match="cache has only 2 blocks"):

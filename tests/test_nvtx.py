@@ -25,7 +25,7 @@ FORMATS = {
     "load": r"load",
     "step": r"step",
     "schedule": r"schedule",
-    "prefill": r"prefill seqs=[1-9]\d* tokens=[1-9]\d*( decodes=[1-9]\d*)?",
+    "prefill": r"prefill seqs=[1-9]\d* tokens=[1-9]\d*",
     "decode": r"decode batch=[1-9]\d*",
     "decode.prepare": r"decode\.prepare",
     "decode.replay": r"decode\.replay batch=[1-9]\d* padded=[1-9]\d*",
@@ -171,7 +171,7 @@ def nvtx_state(monkeypatch):
 
 
 def _every_range(nvtx):
-    return [nvtx.range("step"), nvtx.prefill(2, 9), nvtx.prefill(1, 5, num_decodes=3), nvtx.decode(4),
+    return [nvtx.range("step"), nvtx.prefill(2, 9), nvtx.prefill(1, 5), nvtx.decode(4),
             nvtx.decode_prepare(), nvtx.decode_replay(3, 4), nvtx.decode_eager(4, "no_cuda"), nvtx.capture(8),
             nvtx.layer(0)]
 
@@ -226,7 +226,7 @@ def test_messages_are_formatted_as_documented_and_built_once(nvtx_state, monkeyp
         for r in _every_range(nvtx_state):
             with r:
                 pass
-    expected = ["step", "prefill seqs=2 tokens=9", "prefill seqs=1 tokens=5 decodes=3", "decode batch=4",
+    expected = ["step", "prefill seqs=2 tokens=9", "prefill seqs=1 tokens=5", "decode batch=4",
                 "decode.prepare", "decode.replay batch=3 padded=4", "decode.eager batch=4 reason=no_cuda",
                 "capture bucket=8", "layer 0"]
     dynamic = [m for m in expected if m not in nvtx_state.STATIC_NAMES]

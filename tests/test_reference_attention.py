@@ -108,3 +108,25 @@ def test_padding_rows_write_only_the_null_block():
     write_to_paged_cache(torch.randn(3, 128), torch.randn(3, 128), cache, torch.tensor([-1, 17, -1]), 2)
     changed = (cache != before).view(2, -1, 128).any(-1).any(0).nonzero().flatten().tolist()
     assert [slot for slot in changed if slot >= 16] == [17]  # slots 0..15 are the null block
+
+
+def test_prefill_without_cache_equals_prefill_through_cache():
+    """Memory profiling runs prefill with kv_cache None: same result as through the paged cache."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    generator = torch.Generator().manual_seed(2)
+    impl = ReferenceAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads,
+                                                    sliding_window=4)
+    query_lens = [5, 18]
+    tables = [[1], [2, 3]]
+    slots = list(range(16, 21)) + list(range(32, 50))
+    metadata = AttentionMetadata.from_seqlens(
+        query_lens=query_lens, seq_lens=query_lens, num_prefills=2, block_tables=tables, slot_mapping=slots,
+        block_size=block_size, device=torch.device("cpu"),
+    )
+    query = torch.randn(23, num_heads * head_size, generator=generator)
+    key = torch.randn(23, num_kv_heads * head_size, generator=generator)
+    value = torch.randn(23, num_kv_heads * head_size, generator=generator)
+    cache = torch.full((2, 4, block_size * num_kv_heads * head_size), float("nan"))
+    through_cache = impl.forward(query, key, value, cache, metadata)
+    without = impl.forward(query, key, value, None, metadata)
+    torch.testing.assert_close(without, through_cache)
