@@ -225,16 +225,11 @@ class SamplingTensors:
             all_greedy &= greedy
             # Filters on greedy rows are irrelevant, so they do not force the sort.
             needs_filter |= (not greedy) and (top_k > 0 or p.top_p < 1.0)
-        # Two host-to-device copies (one per dtype) instead of five, from pinned memory so that
-        # they do not block the host.
-        device = torch.device(device)
-        pin = device.type == "cuda"
-        floats = torch.tensor([temps, top_ps], dtype=torch.float32, pin_memory=pin).reshape(2, batch)
+        # Two host-to-device copies (one per dtype) instead of five.
+        floats = torch.tensor([temps, top_ps], dtype=torch.float32, device=device).reshape(2, batch)
         ints = torch.tensor(
-            [top_ks, [int(s) for s in seeds], [int(s) for s in steps]], dtype=torch.int64, pin_memory=pin
+            [top_ks, [int(s) for s in seeds], [int(s) for s in steps]], dtype=torch.int64, device=device
         ).reshape(3, batch)
-        floats = floats.to(device, non_blocking=True)
-        ints = ints.to(device, non_blocking=True)
         return cls(
             temperature=floats[0],
             top_k=ints[0],
