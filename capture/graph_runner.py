@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from graphrt import nvtx
 from graphrt.attention import AttentionBackend, AttentionMetadata
+from graphrt.attention.metadata import pinned_to_device
 from graphrt.sampler import SamplingTensors, sample
 
 from .buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
@@ -65,7 +66,6 @@ class DecodeGraphRunner:
         self.device = device or next(model.parameters()).device
         self.capture_sizes = validate_capture_sizes(capture_sizes or default_capture_sizes(max_batch_size))
         self.max_batch_size = self.capture_sizes[-1]
-        self.return_logits = return_logits
         self.stats = DecodeStats()
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         if enforce_eager:
@@ -238,8 +238,8 @@ class DecodeGraphRunner:
             block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
             block_size=self.graph_state.block_size, device=self.device,
         )
-        ids = torch.tensor(batch.input_ids, device=self.device)
-        positions = torch.tensor(batch.positions, device=self.device)
+        ids = pinned_to_device(batch.input_ids, torch.int64, self.device)
+        positions = pinned_to_device(batch.positions, torch.int64, self.device)
         sampling = SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device)
         tokens = torch.empty(len(batch), dtype=torch.int64, device=self.device)
         self._run_model(ids, positions, metadata, sampling, tokens, None)

