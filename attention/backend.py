@@ -61,12 +61,15 @@ class AttentionImpl(ABC):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
         kv_scale: float = 1.0,
+        kv_cache_written: bool = False,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and attend.
 
         query: [T, H * D]; key, value: [T, KVH * D]; kv_cache: the backend's cache for this layer
         (see ``get_kv_cache_shape``), or None while profiling memory (nothing is cached, every
-        sequence must then have an empty context). Returns [T, H * D] in query's dtype.
+        sequence must then have an empty context). ``kv_cache_written=True``: the caller already
+        stored this step's K/V (e.g. ``triton_rope_cache_write``, fused with the rotary embedding), so
+        only attend. Returns [T, H * D] in query's dtype.
         """
 
 

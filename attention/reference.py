@@ -142,10 +142,11 @@ def attend_uncached_prompts(
 class ReferenceAttentionImpl(AttentionImpl):
     """float32 attention in plain torch: prefills one sequence at a time, decodes batched."""
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0):
+    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
+                kv_cache_written: bool = False):
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
-        if kv_cache is not None:
+        if kv_cache is not None and not kv_cache_written:
             write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
         alibi = self.alibi_slopes_on(query.device)
         out = torch.empty_like(q)

@@ -37,10 +37,11 @@ class TritonAttentionImpl(AttentionImpl):
         self._xformers = xformers_prefill
         self._use_xformers = xformers_status().usable
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0):
+    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
+                kv_cache_written: bool = False):
         num_tokens = query.shape[0]
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
-        if kv_cache is not None:
+        if kv_cache is not None and not kv_cache_written:
             self._write(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], kv_heads, kv_scale, kv_scale)
         alibi = self.alibi_slopes_on(query.device)
         q = query.view(num_tokens, heads, size)

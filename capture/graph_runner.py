@@ -86,6 +86,12 @@ class DecodeGraphRunner:
         self.sampling = SamplingTensors.allocate(bs, self.device)
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
+        #: Greedy rows' argmax: the fused Triton kernel when the model runs fused kernels.
+        self._greedy_argmax = None
+        if getattr(model, "fused_kernels", False):
+            from graphrt.kernels.argmax import argmax_rows
+
+            self._greedy_argmax = argmax_rows
 
     @property
     def max_seq_len(self) -> int:
@@ -219,7 +225,8 @@ class DecodeGraphRunner:
         self.input_ids[:padded].copy_(self._host_tokens[0, :padded], non_blocking=True)
         self.positions[:padded].copy_(self._host_tokens[1, :padded], non_blocking=True)
         self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping, padded)
-        SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device).copy_into(self.sampling)
+        if not batch.all_greedy:  # greedy graphs never read the sampling rows: skip their copies
+            SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device).copy_into(self.sampling)
 
     def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
         """The captured region: static inputs [:size] -> next_tokens[:size] (and logits).
@@ -247,10 +254,13 @@ class DecodeGraphRunner:
 
     def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out) -> None:
         hidden = self.model(ids, positions, self.kv_caches, metadata)  # [B, hidden]
-        logits = self.model.compute_logits(hidden)  # [B, V] float32
+        logits = self.model.compute_logits(hidden)  # [B, V] in the model dtype
         if logits_out is not None:
             logits_out.copy_(logits)
-        tokens_out.copy_(sample(logits, sampling))
+        if sampling.all_greedy and self._greedy_argmax is not None:
+            self._greedy_argmax(logits, out=tokens_out)  # same tokens as sample(); no single-block reduce
+        else:
+            tokens_out.copy_(sample(logits, sampling))
 
     def _sampling_view(self, size: int, mode: str) -> SamplingTensors:
         s = self.sampling

@@ -2,8 +2,11 @@
 
 For each (batch size, context): B sequences of ``context`` tokens sit in the paged cache (random
 contents); one decode step is timed end to end as a serving engine sees it (static-buffer refresh,
-replay or eager forward, sampling, the token copy back), median over ``steps`` runs. The floor is
-(weight bytes + KV bytes read) / the HBM read bandwidth measured in the same run.
+replay or eager forward, sampling, the token copy back), median over ``steps`` runs. With graphs the
+replay alone is timed too, on the GPU (CUDA events around ``graph.replay()``): the device time of a
+step without the host's share. The floor is (weight bytes + KV bytes read) / the HBM read bandwidth
+measured in the same run. ``compare_unfused`` times the same graphs built with the unfused reference
+kernels beside them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from graphrt.capture.buckets import choose_bucket
 
 from .config import resolve_dtype
 from .engine import LLMEngine
@@ -27,14 +32,19 @@ DEFAULT_CONTEXTS = (512,)
 class BenchRow:
     batch_size: int
     context: int
+    fused_kernels: bool
     eager_ms: float
-    graph_ms: float | None
-    speedup: float | None
+    graph_ms: float | None  # end-to-end step through the graph
+    replay_ms: float | None  # GPU time of the replay alone
+    speedup: float | None  # eager_ms / graph_ms
     floor_ms: float | None
-    ratio_to_floor: float | None
+    ratio_to_floor: float | None  # graph_ms (eager_ms without graphs) / floor_ms
+    replay_ratio_to_floor: float | None  # replay_ms / floor_ms
     tokens_per_s: float
     capture_seconds: float | None
     pool_mib: float | None
+    unfused_graph_ms: float | None = None  # with compare_unfused: the same step, unfused kernels
+    unfused_replay_ms: float | None = None
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -84,41 +94,80 @@ def _time_steps(decode, batch, steps: int, device: torch.device) -> float:
     return statistics.median(samples)
 
 
-def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int) -> dict:
-    """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up."""
+def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
+    """Median GPU ms of replaying ``batch``'s graph (static buffers refreshed once, by a decode)."""
+    runner = engine.decode_runner
+    runner.decode(batch)
+    graph = runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), "greedy")]
+    samples = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels):
+    """(end-to-end ms, replay ms, capture s, pool MiB) of a captured engine's decode step."""
+    torch.cuda.empty_cache()
+    engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False,
+                           fused_kernels=fused_kernels)
+    batch = fill_decode_batch(engine, batch_size, context)
+    graph_ms = _time_steps(engine.decode_runner.decode, batch, steps, dev)
+    replay_ms = _time_replays(engine, batch, steps)
+    stats = engine.decode_runner.stats
+    result = graph_ms, replay_ms, stats.capture_seconds, stats.pool_bytes / 2**20
+    del engine, batch
+    torch.cuda.empty_cache()
+    return result
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int,
+              fused_kernels: bool | None = None, compare_unfused: bool = False) -> dict:
+    """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
+
+    ``fused_kernels``: as ``EngineConfig.fused_kernels``; ``compare_unfused``: also time the graphs
+    with the unfused kernels (GPU only)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
     bandwidth = measure_read_bandwidth(dev) if use_cuda else None
     rows = []
     for context in contexts:
         for batch_size in batch_sizes:
-            eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True)
+            eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True,
+                                         fused_kernels=fused_kernels)
             batch = fill_decode_batch(eager_engine, batch_size, context)
             eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
-            del eager_engine
-            graph_ms = capture_s = pool = None
+            fused = eager_engine.fused_kernels
+            del eager_engine, batch
+            graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
-                torch.cuda.empty_cache()
-                graph_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False)
-                graph_batch = fill_decode_batch(graph_engine, batch_size, context)
-                graph_ms = _time_steps(graph_engine.decode_runner.decode, graph_batch, steps, dev)
-                stats = graph_engine.decode_runner.stats
-                capture_s, pool = stats.capture_seconds, stats.pool_bytes / 2**20
-                del graph_engine
-                torch.cuda.empty_cache()
+                graph_ms, replay_ms, capture_s, pool = _time_graphs(
+                    model, dev, dtype, batch_size, context, steps, fused_kernels)
+                if compare_unfused and fused:
+                    unfused_ms, unfused_replay, _, _ = _time_graphs(
+                        model, dev, dtype, batch_size, context, steps, fused_kernels=False)
             best = graph_ms if graph_ms is not None else eager_ms
             floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
             rows.append(BenchRow(
-                batch_size=batch_size, context=context, eager_ms=round(eager_ms, 4),
-                graph_ms=None if graph_ms is None else round(graph_ms, 4),
+                batch_size=batch_size, context=context, fused_kernels=fused, eager_ms=round(eager_ms, 4),
+                graph_ms=_rounded(graph_ms), replay_ms=_rounded(replay_ms),
                 speedup=None if graph_ms is None else round(eager_ms / graph_ms, 2),
-                floor_ms=None if floor is None else round(floor, 4),
+                floor_ms=_rounded(floor),
                 ratio_to_floor=None if floor is None else round(best / floor, 2),
+                replay_ratio_to_floor=None if floor is None or replay_ms is None else round(replay_ms / floor, 2),
                 tokens_per_s=round(batch_size / best * 1e3, 1),
-                capture_seconds=None if capture_s is None else round(capture_s, 2),
-                pool_mib=None if pool is None else round(pool, 1),
+                capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
+                unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
             ))
             print(format_row(rows[-1]), flush=True)
     return {
@@ -132,8 +181,9 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     }
 
 
-HEADER = (f"{'batch':>5} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'floor ms':>9} "
-          f"{'x floor':>7} {'tok/s':>10} {'capture s':>9} {'pool MiB':>8}")
+HEADER = (f"{'batch':>5} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
+          f"{'floor ms':>9} {'x floor':>7} {'replay x':>8} {'unfused':>9} {'tok/s':>10} {'capture s':>9} "
+          f"{'pool MiB':>8}")
 
 
 def _fmt(value, spec: str) -> str:
@@ -142,9 +192,12 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_row(r: BenchRow) -> str:
+    """One table line; ``unfused`` is the unfused graph's end-to-end ms (with compare_unfused)."""
     return (f"{r.batch_size:>5} {r.context:>6} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
-            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.floor_ms, '>9.3f')} {_fmt(r.ratio_to_floor, '>7.2f')} "
-            f"{r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} {_fmt(r.pool_mib, '>8.1f')}")
+            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.replay_ms, '>9.3f')} {_fmt(r.floor_ms, '>9.3f')} "
+            f"{_fmt(r.ratio_to_floor, '>7.2f')} {_fmt(r.replay_ratio_to_floor, '>8.2f')} "
+            f"{_fmt(r.unfused_graph_ms, '>9.3f')} {r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} "
+            f"{_fmt(r.pool_mib, '>8.1f')}")
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -161,6 +214,9 @@ def write_plot(result: dict, path: str) -> None:
         ax.plot(sizes, [r["eager_ms"] for r in rows], "o-", label=f"eager, ctx {context}")
         if rows[0]["graph_ms"] is not None:
             ax.plot(sizes, [r["graph_ms"] for r in rows], "s-", label=f"CUDA graph, ctx {context}")
+            ax.plot(sizes, [r["replay_ms"] for r in rows], "^:", label=f"graph replay (GPU), ctx {context}")
+        if rows[0].get("unfused_graph_ms") is not None:
+            ax.plot(sizes, [r["unfused_graph_ms"] for r in rows], "x-", label=f"CUDA graph unfused, ctx {context}")
         if rows[0]["floor_ms"] is not None:
             ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label=f"HBM floor, ctx {context}")
     ax.set_xscale("log", base=2)
@@ -176,7 +232,10 @@ def write_plot(result: dict, path: str) -> None:
 
 def main(args) -> int:
     print(HEADER)
-    result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps)
+    from .cli import fused_kernels_option
+
+    result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
+                       fused_kernels=fused_kernels_option(args), compare_unfused=args.compare_unfused)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -30,6 +30,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--unfused", action="store_true",
+                        help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
+                        "kernels (the reference path, to compare; the default is fused on CUDA, unfused on CPU)")
+
+
+def fused_kernels_option(args: argparse.Namespace) -> bool | None:
+    """``EngineConfig.fused_kernels`` from ``--unfused``: False when given, else None (the device default)."""
+    return False if args.unfused else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default 1,8,32,64,128,256")
     bench.add_argument("--contexts", type=comma_separated_ints, default=[512], metavar="512,4096", help="default 512")
     bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
+    bench.add_argument("--compare-unfused", action="store_true",
+                       help="also time the graphs built with the unfused reference kernels (CUDA only)")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="write a PNG of ms/step against batch size")
 
@@ -123,6 +133,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
+        fused_kernels=fused_kernels_option(args),
     )
     prompts: list[str | list[int]] = []
     for text in args.prompt:

@@ -212,6 +212,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     #: Attention backend by name; None = the best usable one for the device.
     attention_backend: str | None = None
+    #: Fused Triton kernels for the layers' elementwise work (add + RMSNorm, rotary + KV-cache write,
+    #: SiLU * up); False = the unfused torch ops, kept to compare against. None = fused on CUDA (on CPU
+    #: Triton only runs in its slow interpreter).
+    fused_kernels: bool | None = None
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0
     #: Extra keyword arguments for the model loader (e.g. random presets' init scale).

@@ -45,9 +45,11 @@ class LLMEngine:
             self.max_model_len = self._resolve_max_model_len()
             self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
             self.attention_backend = get_attention_backend(config.attention_backend, self.device)
+            self.fused_kernels = self.device.type == "cuda" if config.fused_kernels is None else config.fused_kernels
             try:
                 model = LlamaForCausalLM(
-                    self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device
+                    self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,
+                    fused_kernels=self.fused_kernels,
                 )
             except ValueError as exc:  # e.g. a head size the attention backend cannot run
                 raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
@@ -75,9 +77,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         logger.info(
-            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s",
+            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, %s kernels",
             self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            self.max_model_len, self.attention_backend.name,
+            self.max_model_len, self.attention_backend.name, "fused" if self.fused_kernels else "unfused",
         )
 
     # -- requests ----------------------------------------------------------------------------------

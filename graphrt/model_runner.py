@@ -91,7 +91,7 @@ class ModelRunner:
             ids = pinned_to_device(input_ids, torch.int64, self.device)
             hidden = self.model(ids, pinned_to_device(positions, torch.int64, self.device), self.kv_caches, metadata)
             last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
-            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
+            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V]
         with nvtx.range("sample"):
             sampling = SamplingTensors.from_params(
                 [seq.params for seq in seqs],

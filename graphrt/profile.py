@@ -407,6 +407,7 @@ def profile_decode(
     trace: str | Path = DEFAULT_TRACE,
     top: int = 15,
     nvtx: bool = False,
+    fused_kernels: bool | None = None,
 ) -> dict:
     """Build the workload, run ``warmup`` timed steps, record ``steps`` more with torch.profiler,
     write the trace and return the breakdown (keys in the module docstring)."""
@@ -414,7 +415,8 @@ def profile_decode(
 
     if steps < 1 or warmup < 0:
         raise ValueError("steps must be >= 1 and warmup >= 0")
-    engine, batch = decode_workload(model, device, dtype, batch_size, context, enforce_eager, nvtx=nvtx)
+    engine, batch = decode_workload(model, device, dtype, batch_size, context, enforce_eager, nvtx=nvtx,
+                                    fused_kernels=fused_kernels)
     runner, dev = engine.decode_runner, engine.device
     unprofiled = []
     for _ in range(max(warmup, 1)):
@@ -462,6 +464,7 @@ def profile_decode(
         "steps": result["num_steps"],
         "warmup_steps": warmup,
         "mode": "cuda_graph" if replays else "eager",
+        "fused_kernels": engine.fused_kernels,
         "eager_reason": None if replays else runner.eager_reason,
         "decode_stats": runner.stats.as_dict(),
         "trace": str(trace),
@@ -499,6 +502,7 @@ def _pct(value: float | None) -> str:
 def format_breakdown(r: dict) -> str:
     """The breakdown as the text ``graphrt profile`` prints."""
     mode = "CUDA graph" if r["mode"] == "cuda_graph" else f"eager ({r['eager_reason']})"
+    mode += ", fused kernels" if r.get("fused_kernels") else ", unfused kernels"
     lines = [
         f"graphrt profile: {r['model']}, batch {r['batch_size']}, context {r['context']}, {r['dtype']} on "
         f"{r['device']}, {mode}",
@@ -545,10 +549,12 @@ def format_breakdown(r: dict) -> str:
 
 
 def main(args) -> int:
+    from .cli import fused_kernels_option
+
     result = profile_decode(
         args.model, batch_size=args.batch_size, context=args.context, steps=args.steps, warmup=args.warmup,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, trace=args.trace, top=args.top,
-        nvtx=args.nvtx,
+        nvtx=args.nvtx, fused_kernels=fused_kernels_option(args),
     )
     print(format_breakdown(result), flush=True)
     if args.json:

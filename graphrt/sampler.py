@@ -285,7 +285,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Pick one token per row.
 
     Args:
-        logits: ``[B, V]`` float32 (other float dtypes are upcast), on the same device as ``t``.
+        logits: ``[B, V]`` float32, or another float dtype (upcast, except for an all-greedy batch's
+            argmax, which needs no upcast), on the same device as ``t``.
             Rows may contain ``-inf`` but each needs at least one finite value.
         t: the batch's parameters, ``B`` rows.
 
@@ -298,10 +299,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         raise ValueError(f"sample: logits must be [B, V], got shape {tuple(logits.shape)}")
     if logits.shape[0] != t.batch_size:
         raise ValueError(f"sample: logits have {logits.shape[0]} rows, sampling tensors {t.batch_size}")
+    if t.all_greedy:
+        # Upcasting is exact, so the argmax of the raw logits is the float32 one; skipping it saves a
+        # pass over [B, V].
+        return torch.argmax(logits, dim=-1)
     logits = logits.float()  # no-op (no copy) for float32
     greedy_tokens = torch.argmax(logits, dim=-1)
-    if t.all_greedy:
-        return greedy_tokens
 
     is_greedy = t.temperature <= 0
     # Greedy rows divide by 1 instead of 0 so they produce no inf/NaN; their result is

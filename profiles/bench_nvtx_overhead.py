@@ -10,7 +10,7 @@ Three states, each in its own process (NVTX picks its tool once per process):
 
 A simulated decode step nests the ranges a real one emits: ``step`` > ``schedule``, then ``decode`` >
 ``decode.eager`` on the eager path (4 ranges), or ``decode`` > ``decode.prepare`` + ``decode.replay``
-and ``sample`` on the graph path (6 ranges, the most a decode step emits). Figures are the best of
+on the graph path (5 ranges; a graph samples inside the replay, so no ``sample`` range). Figures are the best of
 several repeats, minus the cost of calling an empty function; raw ``push_range``/``pop_range`` with
 pre-built attributes and ``nvtx.annotate`` are measured alongside for comparison (DESIGN.md §6).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_US_PER_STEP = 2.0
 LAYERS = 30  # SmolLM2-135M, the default model
-RANGES_PER_STEP = {"decode_step_eager": 4, "decode_step_graph": 6, "decode_step_eager_layers": 4 + LAYERS}
+RANGES_PER_STEP = {"decode_step_eager": 4, "decode_step_graph": 5, "decode_step_eager_layers": 4 + LAYERS}
 
 
 def _time_ns(fn, iterations: int, repeats: int) -> tuple[float, float]:
@@ -82,8 +82,6 @@ def _cases(nvtx) -> dict:
                     pass
                 with nvtx.decode_replay(5, 8):
                     pass
-            with nvtx.range("sample"):
-                pass
 
     def decode_step_eager_layers():
         with nvtx.range("step"):

@@ -65,7 +65,7 @@ def graphrt_greedy_with_logits(llm, prompt: list[int], max_tokens: int) -> tuple
 
     def recording(hidden: torch.Tensor) -> torch.Tensor:
         logits = original(hidden)
-        recorded.append(logits[0].clone())
+        recorded.append(logits[0].float())  # compute_logits returns the model dtype
         return logits
 
     model.compute_logits = recording

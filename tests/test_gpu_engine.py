@@ -1,4 +1,5 @@
-"""On a CUDA device: the engine (eager, reference attention) against HF transformers on the same GPU.
+"""On a CUDA device: the engine (both attention backends, fused and unfused kernels) against HF
+transformers on the same GPU, and the fused kernels against the unfused path.
 
 float32 must match as tightly as on the CPU; bfloat16 is judged by bf16 tolerances, and the measured
 agreement (greedy tokens equal to HF's, largest logit difference) is recorded as test properties and
@@ -32,15 +33,20 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, write_random_checkpoint(request.param, path)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+def _first_divergence(ours: list[int], theirs: list[int]) -> int:
+    """Tokens equal before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+@pytest.mark.parametrize("backend,kernels", [("reference", "unfused"), ("triton", "unfused"), ("triton", "fused")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_cuda_engine_agrees_with_hf(checkpoint, dtype, backend, record_property):
+def test_cuda_engine_agrees_with_hf(checkpoint, dtype, backend, kernels, record_property):
     name, path, cpu_model = checkpoint
     hf_model = cpu_model.to("cuda", dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     # A fixed cache: engines of earlier tests still hold theirs, and a memory fraction would see that.
     options = dict(dtype=dtype_name, device="cuda", attention_backend=backend, progress=False, max_model_len=256,
-                   num_kv_blocks=512)
+                   num_kv_blocks=512, max_num_seqs=8, fused_kernels=kernels == "fused")
     llm = LLM(str(path), **options)  # decodes through CUDA graphs
     # Logits are read by wrapping compute_logits, which a graph replay never calls: an eager twin.
     eager_llm = LLM(str(path), **options, enforce_eager=True)
@@ -52,7 +58,7 @@ def test_cuda_engine_agrees_with_hf(checkpoint, dtype, backend, record_property)
     max_logit_diff = 0.0
     for prompt, out in zip(prompts, outputs):
         reference = hf_greedy(hf_model, prompt, NEW_TOKENS)
-        tokens_equal += next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), NEW_TOKENS)
+        tokens_equal += _first_divergence(out.token_ids, reference)
         tokens_total += NEW_TOKENS
         # Logits compared teacher-forced on our own tokens, step by step.
         tokens, ours = graphrt_greedy_with_logits(eager_llm, prompt, NEW_TOKENS)
@@ -69,7 +75,7 @@ def test_cuda_engine_agrees_with_hf(checkpoint, dtype, backend, record_property)
     agreement = tokens_equal / tokens_total
     record_property("token_agreement", agreement)
     record_property("max_logit_diff", max_logit_diff)
-    print(f"\n[{name} {dtype_name} {backend}] greedy tokens equal to HF before first divergence: "
+    print(f"\n[{name} {dtype_name} {backend} {kernels}] greedy tokens equal to HF before first divergence: "
           f"{tokens_equal}/{tokens_total} ({agreement:.1%}); largest logit difference {max_logit_diff:.4g}")
     if dtype == torch.float32 and backend == "reference":
         assert agreement == 1.0
@@ -78,3 +84,37 @@ def test_cuda_engine_agrees_with_hf(checkpoint, dtype, backend, record_property)
         assert max_logit_diff < 0.05
     else:
         assert max_logit_diff < BF16_LOGIT_TOLERANCE * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_kernels_agree_with_unfused(checkpoint, dtype, record_property):
+    """Greedy tokens through CUDA graphs, fused against unfused (Triton attention both), and the
+    largest logit difference of their eager twins, teacher-forced on the unfused tokens."""
+    name, path, _ = checkpoint
+    dtype_name = str(dtype).removeprefix("torch.")
+    options = dict(dtype=dtype_name, device="cuda", attention_backend="triton", progress=False, max_model_len=256,
+                   num_kv_blocks=512, max_num_seqs=8)
+    prompts = random_prompts(seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens, logits = {}, {}
+    for fused in (False, True):
+        llm = LLM(str(path), **options, fused_kernels=fused)
+        tokens[fused] = [out.token_ids for out in llm.generate(prompts, params)]
+        eager = LLM(str(path), **options, fused_kernels=fused, enforce_eager=True)
+        logits[fused] = [graphrt_greedy_with_logits(eager, p, NEW_TOKENS) for p in prompts]
+        del llm, eager
+    equal = sum(_first_divergence(a, b) for a, b in zip(tokens[True], tokens[False]))
+    total = NEW_TOKENS * len(prompts)
+    max_diff = 0.0
+    for (fused_tokens, fused_logits), (unfused_tokens, unfused_logits) in zip(logits[True], logits[False]):
+        same = _first_divergence(fused_tokens, unfused_tokens)  # logits are comparable up to a divergence
+        max_diff = max(max_diff, (fused_logits[: same + 1] - unfused_logits[: same + 1]).abs().max().item())
+    record_property("token_agreement", equal / total)
+    record_property("max_logit_diff", max_diff)
+    print(f"\n[{name} {dtype_name}] fused vs unfused greedy tokens equal before first divergence: "
+          f"{equal}/{total}; largest logit difference {max_diff:.4g}")
+    if dtype == torch.float32:
+        assert equal == total
+        assert max_diff < 0.05  # both sides' attention dots run in tf32
+    else:
+        assert max_diff < BF16_LOGIT_TOLERANCE

@@ -41,3 +41,15 @@ def test_logits_match_hf(checkpoint):
     tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
     reference = hf_step_logits(hf_model, prompt, tokens)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_kernels_match_hf(checkpoint):
+    """The fused Triton kernels (Triton's CPU interpreter here) give HF's logits and greedy tokens too."""
+    path, hf_model = checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", fused_kernels=True, progress=False)
+    assert llm.engine.fused_kernels
+    prompt = random_prompts(seed=11)[3]
+    tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    reference = hf_step_logits(hf_model, prompt, tokens)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    assert_greedy_matches(hf_model, prompt, tokens)

@@ -10,27 +10,54 @@ from torch import nn
 from ..config import RopeScaling
 
 
-class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32 and cast back, as HF Llama does.
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Unfused RMSNorm with HF Llama's arithmetic: ``weight * (x / rms(x))``, the norm in float32.
 
-    x: [T, hidden] in the model dtype; weight: [hidden].
+    x: [T, N]; weight: [N]; residual: None or [T, N], all one dtype. With a residual, ``x + residual``
+    is normalised and returned too: ``(out, x + residual)`` (a new tensor; ``residual`` is untouched).
+    ``graphrt.kernels.rms_norm.rms_norm`` is the fused kernel with the same contract (it updates
+    ``residual`` in place).
+    """
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * I] (gate first, then up) -> silu(gate) * up: [T, I]. Unfused; the fused kernel
+    is ``graphrt.kernels.activation.silu_and_mul``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, optionally adding the residual stream first (see ``rms_norm_torch``).
+
+    ``fused=True`` runs the Triton kernel (one launch instead of about eight); needs a device where
+    Triton runs.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None, device=None,
+                 fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        if fused:
+            from ..kernels.rms_norm import rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+            self._norm = rms_norm
+        else:
+            self._norm = rms_norm_torch
 
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2 * I] (gate first, then up) -> silu(gate) * up: [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> normed [T, hidden]; with ``residual``: (normed sum, sum)."""
+        return self._norm(x, self.weight, self.eps, residual)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -2,6 +2,11 @@
 
 Every layer reads the step's ``AttentionMetadata`` (tokens of all sequences flattened: prefills first,
 then decodes) and its own paged KV cache, so one forward serves any mix of prefill and decode.
+
+``fused_kernels=True`` swaps the layer's elementwise work for Triton kernels (``graphrt.kernels`` and
+``graphrt.attention.triton_rope_cache_write``): residual add + RMSNorm, rotary embedding + KV-cache
+write, SiLU * up, one launch each. ``False`` keeps the unfused torch ops as the reference to compare
+against; both give the same tokens (see ``graphrt.kernels``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from graphrt.attention import AttentionBackend, AttentionMetadata
 from .. import nvtx
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from .layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: type[AttentionBackend], dtype, device):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: type[AttentionBackend], dtype, device,
+                 fused_kernels: bool = False):
         super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # q, k and v in one GEMM: rows [0, q) are q, then k, then v.
         self.qkv_proj = nn.Linear(
@@ -37,38 +46,70 @@ class LlamaAttention(nn.Module):
             sliding_window=config.sliding_window,
         )
 
+        self._rope_and_write_cache = None
+        if fused_kernels:
+            from graphrt.attention.triton_rope_cache_write import rope_and_write_kv_cache
+
+            self._rope_and_write_cache = rope_and_write_kv_cache
+
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(hidden)
+        if self._rope_and_write_cache is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary(positions, q, k)
+            return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata))
+        # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
+        self._rope_and_write_cache(
+            qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata))
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device):
+    def __init__(self, config: ModelConfig, dtype, device, fused_kernels: bool = False):
         super().__init__()
         # gate and up in one GEMM: rows [0, I) are gate, [I, 2I) up.
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
         )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self._activation = silu_and_mul_torch
+        if fused_kernels:
+            from ..kernels.activation import silu_and_mul
+
+            self._activation = silu_and_mul
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self._activation(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary, backend, dtype, device):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+    """One pre-norm block. The residual add after each sublayer is left to the next norm, which
+    fuses it (``RMSNorm(x, residual)``), so a layer passes on its MLP output and the residual stream."""
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, fused_kernels: bool = False):
+        super().__init__()
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=fused_kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
+
+    def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
+        """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
+        residual: [T, hidden] stream before that output is added, None for layer 0.
+        Returns (this layer's MLP output, its residual stream), both [T, hidden]."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        attended = self.self_attn(positions, normed, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm(attended, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,18 +131,21 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused_kernels: bool = False,
     ):
         super().__init__()
         self.config = config
+        self.fused_kernels = fused_kernels
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, dtype, device) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, fused_kernels)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=fused_kernels)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -120,19 +164,21 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
-                    hidden = layer(positions, hidden, kv_cache, attn_metadata)
+                    hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden = layer(positions, hidden, kv_cache, attn_metadata)
-        return self.norm(hidden)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, V] float32."""
-        return nn.functional.linear(hidden, self.lm_head_weight).float()
+        """hidden: [N, hidden] -> logits [N, V] in the model dtype (``sample`` upcasts where it needs
+        to; a greedy argmax reads them as they are, saving a float32 pass over [N, V])."""
+        return nn.functional.linear(hidden, self.lm_head_weight)
 
     # -- weights -----------------------------------------------------------------------------------
 

@@ -1,0 +1,14 @@
+"""Fused Triton kernels for a decoder layer's small elementwise work, each beside its unfused torch reference.
+
+At decode batch sizes every separate kernel costs a few microseconds of latency even inside a CUDA
+graph, so the layer's norms, residual adds and activation run as one kernel each instead of five to
+eight (profiles/notes_fusion.md has the measurements). The rotary embedding fused with the KV-cache
+write lives with the cache kernels, in ``graphrt.attention.triton_rope_cache_write``.
+
+Each fused kernel rounds to the model dtype exactly where the unfused torch code does (every torch
+op on bf16 tensors computes in float32 and rounds its result), so the two paths agree bit for bit
+except where a float32 reduction sums in another order.
+
+Modules import Triton at import time; import them only where Triton can run (CUDA, or the CPU
+interpreter under ``TRITON_INTERPRET=1``).
+"""

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
+# everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
+# installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
+# profile, nvtx; tests-all runs every gpu-marked test.
+set -uo pipefail
+OUT=${OUT:-h200_out}
+mkdir -p "$OUT"
+stages=${*:-tests bench-1b bench-smollm2 bench-8b profile nvtx}
+log() { echo "== $(date +%T) $*"; }
+
+for stage in $stages; do
+  case $stage in
+    tests)
+      log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gpu_engine.py \
+        tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
+      ;;
+    tests-all)
+      log "every gpu-marked test"
+      python -m pytest -q -m gpu -p no:cacheprovider tests -s 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -40
+      ;;
+    bench-1b)
+      log "bench llama-3.2-1b, ctx 512 and 4096 (fused, unfused beside)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --contexts 512,4096 --compare-unfused \
+        --json "$OUT/bench_llama1b.json" --plot "$OUT/bench_llama1b.png"
+      ;;
+    bench-smollm2)
+      log "bench smollm2-135m, ctx 512"
+      graphrt bench --model random:smollm2-135m --batch-sizes 1,8,64,256 --compare-unfused \
+        --json "$OUT/bench_smollm2.json"
+      ;;
+    bench-8b)
+      log "bench llama-3-8b, ctx 512"
+      graphrt bench --model random:llama-3-8b --batch-sizes 1,8,64,256 --compare-unfused \
+        --json "$OUT/bench_llama8b.json"
+      ;;
+    profile)
+      for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do
+        set -- $spec
+        log "profile $1 batch $2"
+        graphrt profile --model "random:$1" --batch-size "$2" --trace "/tmp/trace_$1_$2.json.gz" \
+          --json "$OUT/profile_$1_b$2.json" | head -45
+      done
+      ;;
+    nvtx)
+      log "NVTX host cost, off and on"
+      python profiles/bench_nvtx_overhead.py --json "$OUT/nvtx_overhead_h200.json"
+      ;;
+  esac
+done
+log done
