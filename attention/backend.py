@@ -132,10 +132,12 @@ class AttentionBackend(ABC):
         block_tables: list[list[int]],
         slot_mapping: list[int],
         padded_batch_size: int,
+        input_ids: list[int] | None = None,
+        positions: list[int] | None = None,
     ) -> None:
-        """Before a replay: copy the real rows in and make padding rows inert (slot -1, length 1,
-        null block)."""
-        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size)
+        """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
+        (token 0 at position 0, slot -1, length 1, null block)."""
+        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:

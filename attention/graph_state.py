@@ -1,10 +1,11 @@
-"""Static decode metadata for CUDA graphs: allocated once at the largest batch bucket, refreshed in place
-from pinned host staging before every replay, with padding rows made inert (DESIGN.md §4, rule 3)."""
+"""Static decode inputs and metadata for CUDA graphs: allocated once at the largest batch bucket, refreshed
+in place from pinned host staging before every replay, with padding rows made inert (DESIGN.md §4, rule 3)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .metadata import AttentionMetadata
@@ -19,18 +20,22 @@ NULL_BLOCK = 0
 class DecodeGraphState:
     """Device tensors a captured decode graph reads, and their pinned host mirrors.
 
-    ``B`` = largest bucket, ``M = ceil(max_seq_len / block_size)`` = block-table width.
+    ``B`` = largest bucket, ``M = ceil(max_seq_len / block_size)`` = block-table width. Every per-step
+    field lives in one byte buffer (int64 rows first, then int32), mirrored by one pinned host buffer,
+    so a refresh is one host-to-device copy of a prefix of it: a step's host cost is then numpy writes
+    and a single copy, not a copy (and a cumsum kernel) per field.
     """
 
+    input_ids: torch.Tensor  # [B] int64, the token each row decodes
+    positions: torch.Tensor  # [B] int64
     slot_mapping: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int32
+    seq_start_loc: torch.Tensor  # [B + 1] int32, prefix sums of seq_lens (refreshed)
     block_tables: torch.Tensor  # [B, M] int32
     query_lens: torch.Tensor  # [B] int32, all ones (decode)
     query_start_loc: torch.Tensor  # [B + 1] int32, arange (one token per row)
-    seq_start_loc: torch.Tensor  # [B + 1] int32, prefix sums of seq_lens (refreshed)
-    host_slot_mapping: torch.Tensor  # pinned (on CUDA) mirrors of the three refreshed tensors
-    host_seq_lens: torch.Tensor
-    host_block_tables: torch.Tensor
+    staging: torch.Tensor  # uint8, the pinned (on CUDA) host mirror of the device buffer behind the fields above
+    device_buffer: torch.Tensor  # uint8, the device buffer the fields above view
     block_size: int
     #: Captured maximum context: rows longer than this cannot replay and run eagerly.
     max_seq_len: int
@@ -47,22 +52,21 @@ class DecodeGraphState:
 
     @classmethod
     def allocate(cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device) -> DecodeGraphState:
-        width = -(-max_seq_len // block_size)
-        pin = device.type == "cuda"
-
-        def host(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
+        batch, width = max_batch_size, -(-max_seq_len // block_size)
+        layout = _Layout(batch, width)
+        staging = torch.zeros(layout.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host = layout.views(staging)
+        host["seq_lens"].fill_(PAD_SEQ_LEN)
+        host["slot_mapping"].fill_(PAD_SLOT)
+        host["block_tables"].fill_(NULL_BLOCK)
+        torch.cumsum(host["seq_lens"], 0, dtype=torch.int32, out=host["seq_start_loc"][1:])
+        device_buffer = torch.empty_like(staging, device=device).copy_(staging)  # distinct even on CPU
         return cls(
-            slot_mapping=torch.full((max_batch_size,), PAD_SLOT, dtype=torch.int64, device=device),
-            seq_lens=torch.full((max_batch_size,), PAD_SEQ_LEN, dtype=torch.int32, device=device),
-            block_tables=torch.full((max_batch_size, width), NULL_BLOCK, dtype=torch.int32, device=device),
-            query_lens=torch.ones(max_batch_size, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
-            seq_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device) * PAD_SEQ_LEN,
-            host_slot_mapping=host(max_batch_size, dtype=torch.int64),
-            host_seq_lens=host(max_batch_size, dtype=torch.int32),
-            host_block_tables=host(max_batch_size, width, dtype=torch.int32),
+            **layout.views(device_buffer),
+            query_lens=torch.ones(batch, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+            staging=staging,
+            device_buffer=device_buffer,
             block_size=block_size,
             max_seq_len=max_seq_len,
         )
@@ -89,30 +93,89 @@ class DecodeGraphState:
         )
 
     def refresh(
-        self, seq_lens: list[int], block_tables: list[list[int]], slot_mapping: list[int], padded_batch_size: int
+        self,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        padded_batch_size: int,
+        input_ids: list[int] | None = None,
+        positions: list[int] | None = None,
     ) -> None:
-        """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors
-        (host -> pinned staging -> one non-blocking copy per tensor). Raises ValueError for a row that
-        exceeds the captured maximum context."""
+        """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
+        numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
+        ``input_ids``/``positions`` (one per real row) default to 0. Padding rows get token 0 at
+        position 0, slot -1, length 1 and the null block. Raises ValueError for a row that exceeds the
+        captured maximum context; nothing is copied then.
+
+        The copy reads the staging buffer asynchronously: call again only after the step that used the
+        last refresh finished (the graph runner waits for its tokens, which guarantees that).
+        """
         batch = len(seq_lens)
         if batch > padded_batch_size or padded_batch_size > self.max_batch_size:
             raise ValueError(f"batch {batch} does not fit padded size {padded_batch_size} (max {self.max_batch_size})")
-        lens = self.host_seq_lens.numpy()
-        slots = self.host_slot_mapping.numpy()
-        tables = self.host_block_tables.numpy()
-        lens[:batch] = seq_lens
-        lens[batch:padded_batch_size] = PAD_SEQ_LEN
-        slots[:batch] = slot_mapping
-        slots[batch:padded_batch_size] = PAD_SLOT
-        tables[:padded_batch_size] = NULL_BLOCK
+        width = self.max_blocks_per_seq
         for row, table in enumerate(block_tables):
-            if len(table) > tables.shape[1]:
-                raise ValueError(
-                    f"row {row} has {len(table)} blocks; the captured maximum context allows {tables.shape[1]}"
-                )
-            tables[row, : len(table)] = table
+            if len(table) > width:
+                raise ValueError(f"row {row} has {len(table)} blocks; the captured maximum context allows {width}")
+        host = self._host_arrays()
         n = padded_batch_size
-        self.seq_lens[:n].copy_(self.host_seq_lens[:n], non_blocking=True)
-        self.slot_mapping[:n].copy_(self.host_slot_mapping[:n], non_blocking=True)
-        self.block_tables[:n].copy_(self.host_block_tables[:n], non_blocking=True)
-        torch.cumsum(self.seq_lens[:n], dim=0, dtype=torch.int32, out=self.seq_start_loc[1 : n + 1])
+        for name, values in (("input_ids", input_ids), ("positions", positions)):
+            if values is None:
+                host[name][:n] = 0
+            else:
+                host[name][:batch] = values
+                host[name][batch:n] = 0
+        host["slot_mapping"][:batch] = slot_mapping
+        host["slot_mapping"][batch:n] = PAD_SLOT
+        lens = host["seq_lens"]
+        lens[:batch] = seq_lens
+        lens[batch:n] = PAD_SEQ_LEN
+        np.cumsum(lens[:n], out=host["seq_start_loc"][1 : n + 1])
+        tables = host["block_tables"]
+        tables[:n] = NULL_BLOCK
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = table
+        used = self._layout().bytes_through_row(n)  # block tables come last: later rows are not read
+        self.device_buffer[:used].copy_(self.staging[:used], non_blocking=True)
+
+    def _layout(self) -> _Layout:
+        return _Layout(self.max_batch_size, self.max_blocks_per_seq)
+
+    def _host_arrays(self) -> dict[str, np.ndarray]:
+        """numpy views of the staging buffer's fields (cached: building them costs more than writing)."""
+        arrays = self.extras.get(_HOST_ARRAYS)
+        if arrays is None:
+            arrays = self.extras[_HOST_ARRAYS] = {k: v.numpy() for k, v in self._layout().views(self.staging).items()}
+        return arrays
+
+
+#: Key of the cached numpy views of the staging buffer in ``DecodeGraphState.extras``.
+_HOST_ARRAYS = "host_arrays"
+
+
+class _Layout:
+    """Byte offsets of the per-step fields in the staging/device buffers: three int64 rows of B (ids,
+    positions, slots), then int32 seq_lens [B], seq_start_loc [B + 1] and block_tables [B, M]."""
+
+    def __init__(self, batch: int, width: int) -> None:
+        self.batch, self.width = batch, width
+        self.int32_start = 3 * batch * 8
+        self.tables_start = self.int32_start + (2 * batch + 1) * 4
+        self.num_bytes = self.tables_start + batch * width * 4
+
+    def bytes_through_row(self, rows: int) -> int:
+        """Bytes from the start of the buffer through block-table row ``rows - 1``."""
+        return self.tables_start + rows * self.width * 4
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        b = self.batch
+        int64 = buffer[: self.int32_start].view(torch.int64).view(3, b)
+        int32 = buffer[self.int32_start : self.tables_start].view(torch.int32)
+        return {
+            "input_ids": int64[0],
+            "positions": int64[1],
+            "slot_mapping": int64[2],
+            "seq_lens": int32[:b],
+            "seq_start_loc": int32[b:],
+            "block_tables": buffer[self.tables_start :].view(torch.int32).view(b, self.width),
+        }

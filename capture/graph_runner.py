@@ -75,14 +75,13 @@ class DecodeGraphRunner:
         else:
             self.eager_reason = None
 
-        bs, pin = self.max_batch_size, self.device.type == "cuda"
+        bs = self.max_batch_size
         config = model.config
         self.graph_state = backend.init_graph_state(
             bs, max_seq_len, block_size, self.device, num_heads=config.num_attention_heads, head_size=config.head_dim
         )
-        self.input_ids = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
-        self.positions = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
-        self._host_tokens = torch.zeros(2, bs, dtype=torch.int64, pin_memory=pin)  # ids, positions
+        # [B] int64 each, refreshed with the rest of the graph state in one copy.
+        self.input_ids, self.positions = self.graph_state.input_ids, self.graph_state.positions
         self.sampling = SamplingTensors.allocate(bs, self.device)
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
@@ -217,14 +216,8 @@ class DecodeGraphRunner:
         return len(batch) <= self.max_batch_size and max(batch.seq_lens, default=0) <= self.max_seq_len
 
     def _refresh(self, batch: DecodeBatch, padded: int) -> None:
-        size = len(batch)
-        host = self._host_tokens.numpy()
-        host[0, :size] = batch.input_ids
-        host[1, :size] = batch.positions
-        host[:, size:padded] = 0
-        self.input_ids[:padded].copy_(self._host_tokens[0, :padded], non_blocking=True)
-        self.positions[:padded].copy_(self._host_tokens[1, :padded], non_blocking=True)
-        self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping, padded)
+        self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+                                         padded, input_ids=batch.input_ids, positions=batch.positions)
         if not batch.all_greedy:  # greedy graphs never read the sampling rows: skip their copies
             SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device).copy_into(self.sampling)
 

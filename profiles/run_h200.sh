@@ -2,11 +2,11 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# profile, nvtx; tests-all runs every gpu-marked test.
+# profile, host, nvtx; tests-all runs every gpu-marked test.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-stages=${*:-tests bench-1b bench-smollm2 bench-8b profile nvtx}
+stages=${*:-tests bench-1b bench-smollm2 bench-8b profile host nvtx}
 log() { echo "== $(date +%T) $*"; }
 
 for stage in $stages; do
@@ -41,6 +41,12 @@ for stage in $stages; do
         log "profile $1 batch $2"
         graphrt profile --model "random:$1" --batch-size "$2" --trace "/tmp/trace_$1_$2.json.gz" \
           --json "$OUT/profile_$1_b$2.json" | head -45
+      done
+      ;;
+    host)
+      for spec in "llama-3.2-1b 1 512" "llama-3.2-1b 64 512" "llama-3.2-1b 64 4096" "smollm2-135m 1 512"; do
+        set -- $spec
+        python profiles/host_step_breakdown.py --model "random:$1" --batch-size "$2" --context "$3"
       done
       ;;
     nvtx)

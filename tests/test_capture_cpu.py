@@ -32,17 +32,20 @@ def test_choose_bucket_pads_to_smallest_that_holds(batch, bucket):
 def test_refresh_writes_real_rows_and_inert_padding():
     state = DecodeGraphState.allocate(max_batch_size=8, max_seq_len=64, block_size=16, device=torch.device("cpu"))
     # Garbage everywhere first: a refresh must overwrite every row up to the padded size.
-    for tensor in (state.seq_lens, state.slot_mapping, state.block_tables):
+    for tensor in (state.input_ids, state.positions, state.seq_lens, state.slot_mapping, state.block_tables):
         tensor.fill_(777)
     state.refresh(seq_lens=[5, 17, 33], block_tables=[[3], [4, 9], [1, 2, 6]], slot_mapping=[52, 144, 96],
-                  padded_batch_size=4)
+                  padded_batch_size=4, input_ids=[11, 12, 13], positions=[4, 16, 32])
+    assert state.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert state.positions[:4].tolist() == [4, 16, 32, 0]
     assert state.seq_lens[:4].tolist() == [5, 17, 33, PAD_SEQ_LEN]
     assert state.slot_mapping[:4].tolist() == [52, 144, 96, PAD_SLOT]
     assert state.block_tables[:4].tolist() == [
         [3, 0, 0, 0], [4, 9, 0, 0], [1, 2, 6, 0], [NULL_BLOCK] * 4,
     ]
     assert state.seq_start_loc[:5].tolist() == [0, 5, 22, 55, 56]
-    assert state.seq_lens[4:].tolist() == [777] * 4  # rows past the padded size are not touched
+    # One copy of the bytes in use: block tables come last, so rows past the padded size are not copied.
+    assert state.block_tables[4:].flatten().tolist() == [777] * 16
     metadata = state.metadata(4)
     assert metadata.use_cuda_graph and metadata.seq_lens is None and metadata.max_decode_seq_len == 64
     assert metadata.block_tables.data_ptr() == state.block_tables.data_ptr()  # views, not copies
