@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", parents=[common],
         help="decode-step latency: eager vs CUDA graphs, against the HBM floor",
         description="Times one decode step (static-buffer refresh, forward, sampling, token copy) per batch "
-        "size and context, eager and replayed, beside the floor (weights + KV bytes over the HBM read "
-        "bandwidth measured in the same run). On CPU: eager only, no floor.",
+        "size and context, eager and replayed, and the replay alone on the GPU, beside the floor (weights + "
+        "KV bytes over the HBM read bandwidth measured in the same run). On CPU: eager only, no floor.",
     )
     add_model_arguments(bench, default_model="random:llama-3.2-1b")
     bench.add_argument("--batch-sizes", type=comma_separated_ints, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
