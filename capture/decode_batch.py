@@ -42,3 +42,12 @@ class DecodeBatch:
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
+
+    @property
+    def sampling_mode(self) -> str:
+        """The graph this batch replays: ``greedy`` (every row), ``temperature`` (some row samples, none
+        uses top-k or top-p) or ``sample`` (the general path, which sorts the vocabulary)."""
+        if self.all_greedy:
+            return "greedy"
+        filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in self.params)
+        return "sample" if filtered else "temperature"

@@ -30,9 +30,10 @@ from .stats import DecodeStats, EagerReason
 
 logger = logging.getLogger(__name__)
 
-#: Graphs are captured per sampling mode: "greedy" is a bare argmax; "sample" runs the general path
-#: (temperature, top-k, top-p, greedy rows mixed in), which sorts the vocabulary.
-SAMPLING_MODES = ("greedy", "sample")
+#: Graphs are captured per sampling mode (``DecodeBatch.sampling_mode``): "greedy" is a bare argmax;
+#: "temperature" samples without top-k / top-p (greedy rows mixed in) in one pass over the logits;
+#: "sample" runs the general path (top-k, top-p), which sorts the vocabulary.
+SAMPLING_MODES = ("greedy", "temperature", "sample")
 
 
 class DecodeGraphRunner:
@@ -85,12 +86,14 @@ class DecodeGraphRunner:
         self.sampling = SamplingTensors.allocate(bs, self.device)
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
-        #: Greedy rows' argmax: the fused Triton kernel when the model runs fused kernels.
-        self._greedy_argmax = None
+        #: Fused Triton sampling (greedy argmax; temperature without top-k / top-p) when the model runs
+        #: fused kernels; otherwise ``graphrt.sampler.sample`` for every mode.
+        self._greedy_argmax = self._sample_temperature = None
         if getattr(model, "fused_kernels", False):
             from graphrt.kernels.argmax import argmax_rows
+            from graphrt.kernels.sampling import sample_temperature
 
-            self._greedy_argmax = argmax_rows
+            self._greedy_argmax, self._sample_temperature = argmax_rows, sample_temperature
 
     @property
     def max_seq_len(self) -> int:
@@ -120,7 +123,7 @@ class DecodeGraphRunner:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.cuda.stream(side):
-                        for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, both modes
+                        for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, every mode
                             for _ in range(2):
                                 self._forward(size, mode)
                 finally:
@@ -189,7 +192,7 @@ class DecodeGraphRunner:
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
         with nvtx.decode_prepare():
             self._refresh(batch, padded)
-        mode = "greedy" if batch.all_greedy else "sample"
+        mode = batch.sampling_mode
         if not replay:
             self._forward(padded, mode, max_seq_len)
             return self.next_tokens[: len(batch)].tolist()
@@ -252,6 +255,8 @@ class DecodeGraphRunner:
             logits_out.copy_(logits)
         if sampling.all_greedy and self._greedy_argmax is not None:
             self._greedy_argmax(logits, out=tokens_out)  # same tokens as sample(); no single-block reduce
+        elif not sampling.needs_top_k_top_p and self._sample_temperature is not None:
+            self._sample_temperature(logits, sampling, out=tokens_out)  # same noise, log-domain race
         else:
             tokens_out.copy_(sample(logits, sampling))
 

@@ -22,6 +22,7 @@ from graphrt.capture.buckets import choose_bucket
 
 from .config import resolve_dtype
 from .engine import LLMEngine
+from .sampling_params import SamplingParams
 from .workload import decode_engine, fill_decode_batch, synchronize
 
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
@@ -98,7 +99,7 @@ def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
     """Median GPU ms of replaying ``batch``'s graph (static buffers refreshed once, by a decode)."""
     runner = engine.decode_runner
     runner.decode(batch)
-    graph = runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), "greedy")]
+    graph = runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)]
     samples = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,12 +111,12 @@ def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
     return statistics.median(samples)
 
 
-def _time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels):
+def _time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params):
     """(end-to-end ms, replay ms, capture s, pool MiB) of a captured engine's decode step."""
     torch.cuda.empty_cache()
     engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False,
                            fused_kernels=fused_kernels)
-    batch = fill_decode_batch(engine, batch_size, context)
+    batch = fill_decode_batch(engine, batch_size, context, params)
     graph_ms = _time_steps(engine.decode_runner.decode, batch, steps, dev)
     replay_ms = _time_replays(engine, batch, steps)
     stats = engine.decode_runner.stats
@@ -130,11 +131,13 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
 
 
 def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int,
-              fused_kernels: bool | None = None, compare_unfused: bool = False) -> dict:
+              fused_kernels: bool | None = None, compare_unfused: bool = False,
+              params: SamplingParams | None = None) -> dict:
     """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
 
     ``fused_kernels``: as ``EngineConfig.fused_kernels``; ``compare_unfused``: also time the graphs
-    with the unfused kernels (GPU only)."""
+    with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy)."""
+    params = params or SamplingParams(temperature=0.0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
     bandwidth = measure_read_bandwidth(dev) if use_cuda else None
@@ -143,7 +146,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
         for batch_size in batch_sizes:
             eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True,
                                          fused_kernels=fused_kernels)
-            batch = fill_decode_batch(eager_engine, batch_size, context)
+            batch = fill_decode_batch(eager_engine, batch_size, context, params)
             eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
@@ -152,10 +155,10 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
                 graph_ms, replay_ms, capture_s, pool = _time_graphs(
-                    model, dev, dtype, batch_size, context, steps, fused_kernels)
+                    model, dev, dtype, batch_size, context, steps, fused_kernels, params)
                 if compare_unfused and fused:
                     unfused_ms, unfused_replay, _, _ = _time_graphs(
-                        model, dev, dtype, batch_size, context, steps, fused_kernels=False)
+                        model, dev, dtype, batch_size, context, steps, False, params)
             best = graph_ms if graph_ms is not None else eager_ms
             floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
             rows.append(BenchRow(
@@ -177,6 +180,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
         "torch": torch.__version__,
         "hbm_read_bandwidth_gbps": None if bandwidth is None else round(bandwidth / 1e9, 1),
         "steps_per_point": steps,
+        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
         "rows": [asdict(r) for r in rows],
     }
 
@@ -234,8 +238,10 @@ def main(args) -> int:
     print(HEADER)
     from .cli import fused_kernels_option
 
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
-                       fused_kernels=fused_kernels_option(args), compare_unfused=args.compare_unfused)
+                       fused_kernels=fused_kernels_option(args), compare_unfused=args.compare_unfused,
+                       params=params)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

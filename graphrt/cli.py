@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default 1,8,32,64,128,256")
     bench.add_argument("--contexts", type=comma_separated_ints, default=[512], metavar="512,4096", help="default 512")
     bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="every row's sampling temperature (default 0: greedy)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="every row's top-p (default 1: off)")
     bench.add_argument("--compare-unfused", action="store_true",
                        help="also time the graphs built with the unfused reference kernels (CUDA only)")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")

@@ -41,9 +41,11 @@ def decode_engine(
     return LLMEngine(config, progress=False)
 
 
-def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int) -> DecodeBatch:
+def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int,
+                      params: SamplingParams | None = None) -> DecodeBatch:
     """B sequences (ids 0..B-1) of ``context`` tokens each, their blocks filled with random K/V; returns
-    the greedy batch that decodes token ``context`` of each (position ``context`` - 1)."""
+    the batch that decodes token ``context`` of each (position ``context`` - 1), every row sampled with
+    ``params`` (default greedy; row i seeded with i)."""
     bm = engine.block_manager
     for sid in range(batch_size):
         bm.allocate(sid, context)
@@ -54,8 +56,8 @@ def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int) -> Decod
         positions=[context - 1] * batch_size,
         block_tables=[bm.block_table(sid) for sid in range(batch_size)],
         slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
-        params=[SamplingParams(temperature=0.0)] * batch_size,
-        seeds=[0] * batch_size,
+        params=[params or SamplingParams(temperature=0.0)] * batch_size,
+        seeds=list(range(batch_size)),
         steps=[0] * batch_size,
     )
 

@@ -2,11 +2,11 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# profile, host, nvtx; tests-all runs every gpu-marked test.
+# bench-sampling, profile, host, nvtx; tests-all runs every gpu-marked test.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-stages=${*:-tests bench-1b bench-smollm2 bench-8b profile host nvtx}
+stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling profile host nvtx}
 log() { echo "== $(date +%T) $*"; }
 
 for stage in $stages; do
@@ -34,6 +34,13 @@ for stage in $stages; do
       log "bench llama-3-8b, ctx 512"
       graphrt bench --model random:llama-3-8b --batch-sizes 1,8,64,256 --compare-unfused \
         --json "$OUT/bench_llama8b.json"
+      ;;
+    bench-sampling)
+      log "bench llama-3.2-1b ctx 512, temperature 0.8 (fused kernel) and top-p 0.9 (sorting path)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --compare-unfused \
+        --json "$OUT/bench_llama1b_temperature.json"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-p 0.9 \
+        --json "$OUT/bench_llama1b_top_p.json"
       ;;
     profile)
       for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do

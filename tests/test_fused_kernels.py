@@ -222,14 +222,17 @@ def test_fused_engine_matches_unfused(dtype):
 
     prompts = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs, logits = {}, {}
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)  # the fused sampling kernel
+    outputs, drawn, logits = {}, {}, {}
     for fused in (False, True):
         llm = LLM("random:tiny", dtype=dtype, device=DEVICE, fused_kernels=fused, max_model_len=64,
                   max_num_seqs=4, num_kv_blocks=64, loader_options={"init_std": 0.2}, progress=False)
         assert llm.engine.fused_kernels is fused
         outputs[fused] = [out.token_ids for out in llm.generate(prompts, params)]
+        drawn[fused] = [out.token_ids for out in llm.generate(prompts, sampled)]
         logits[fused] = graphrt_greedy_with_logits(llm, prompts[2], max_tokens=4)[1]
     assert outputs[True] == outputs[False]
+    assert drawn[True] == drawn[False]
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.05)
     torch.testing.assert_close(logits[True], logits[False], **tolerance)
 
@@ -264,3 +267,67 @@ def test_argmax_matches_torch(batch, vocab, dtype):
 @pytest.mark.parametrize("vocab", [49152, 128256, 151936, 1000])
 def test_argmax_grid_gpu(batch, vocab, dtype):
     check_argmax(batch, vocab, dtype, seed=batch + vocab)
+
+
+# -- temperature sampling ----------------------------------------------------------------------------
+
+
+def _sampling_rows(batch, seed, greedy_every=4):
+    from graphrt.sampler import SamplingTensors
+    from graphrt.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(temperature=0.0 if i % greedy_every == 0 else 0.3 + 0.2 * (i % 7)) for i in range(batch)]
+    seeds = torch.randint(0, 2**63 - 1, (batch,), generator=gen).tolist()
+    steps = torch.randint(0, 2**40, (batch,), generator=gen).tolist()
+    return SamplingTensors.from_params(params, seeds, steps, DEVICE)
+
+
+def check_temperature_sampling(batch, vocab, dtype, seed=0):
+    """Against graphrt.sampler.sample: constant rows isolate the noise (the race is then decided by
+    the hash alone, so tokens must be equal); random rows may differ only at float32 near-ties."""
+    from graphrt.kernels.sampling import sample_temperature
+    from graphrt.sampler import sample
+
+    rows = _sampling_rows(batch, seed)
+    constant = torch.zeros(batch, vocab, dtype=dtype, device=DEVICE)
+    out = torch.full((batch,), -7, dtype=torch.int64, device=DEVICE)
+    assert sample_temperature(constant, rows, out=out).tolist() == sample(constant, rows).tolist()
+    logits = _randn(batch, vocab, dtype=dtype, seed=seed + 1, scale=3.0)
+    got, want = sample_temperature(logits, rows), sample(logits, rows)
+    greedy = rows.temperature == 0
+    assert torch.equal(got[greedy], want[greedy])
+    assert (got != want).sum().item() <= max(1, batch // 50)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,vocab", [(1, 37), (9, 512), (4, 9001)])
+def test_temperature_sampling_matches_sampler(batch, vocab, dtype):
+    check_temperature_sampling(batch, vocab, dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936, 1000])
+def test_temperature_sampling_grid_gpu(batch, vocab, dtype):
+    check_temperature_sampling(batch, vocab, dtype, seed=batch + vocab)
+
+
+def test_temperature_sampling_follows_softmax():
+    """Draws of one 6-token row (one step each; 20,000 on a GPU, 1,500 in the slow CPU interpreter)
+    follow softmax(logits / T) (chi-square, 5 degrees of freedom)."""
+    from graphrt.kernels.sampling import sample_temperature
+    from graphrt.sampler import SamplingTensors
+    from graphrt.sampling_params import SamplingParams
+
+    draws, temperature = (20_000 if CUDA else 1_500), 0.7
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 1.2])
+    rows = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * draws, [42] * draws,
+                                       list(range(draws)), DEVICE)
+    tokens = sample_temperature(row.to(DEVICE).expand(draws, -1).contiguous(), rows)
+    counts = torch.bincount(tokens.cpu(), minlength=6).double()
+    expected = torch.softmax(row.double() / temperature, 0) * draws
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.capture import DecodeBatch, DecodeGraphRunner
+from graphrt.capture import SAMPLING_MODES, DecodeBatch, DecodeGraphRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,11 +31,11 @@ def setup(request):
         max_batch_size=MAX_SEQS, return_logits=True, device=engine.device,
     )
     stats = runner.capture(progress=False)
-    assert runner.uses_graphs and stats.num_graphs == 2 * len(runner.capture_sizes)
+    assert runner.uses_graphs and stats.num_graphs == len(SAMPLING_MODES) * len(runner.capture_sizes)
     return llm, runner
 
 
-def _random_rows(llm, count: int, generator: torch.Generator, sampled: bool) -> DecodeBatch:
+def _random_rows(llm, count: int, generator: torch.Generator, sampled: bool | str) -> DecodeBatch:
     """Rows with random contexts across block boundaries over freshly allocated blocks whose cache
     content is random (as if earlier steps had written it)."""
     bm = llm.engine.block_manager
@@ -48,8 +48,10 @@ def _random_rows(llm, count: int, generator: torch.Generator, sampled: bool) -> 
         for sid in rows:
             blocks = torch.tensor(bm.block_table(sid), device=kv.device)
             kv[:, blocks] = torch.randn(kv[:, blocks].shape, generator=None, device=kv.device).to(kv.dtype)
-    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9) if sampled and i % 2 == 0
-              else SamplingParams(temperature=0.0) for i in range(count)]
+    # sampled: True = top-k/top-p rows ("sample" graphs); "temperature" = temperature-only rows.
+    drawn = SamplingParams(temperature=0.8) if sampled == "temperature" else SamplingParams(temperature=0.8, top_k=40,
+                                                                                             top_p=0.9)
+    params = [drawn if sampled and i % 2 == 0 else SamplingParams(temperature=0.0) for i in range(count)]
     batch = DecodeBatch(
         input_ids=torch.randint(0, 512, (count,), generator=generator).tolist(),
         positions=[n - 1 for n in lengths],
@@ -68,7 +70,7 @@ def _free(llm, batch):
         llm.engine.block_manager.free(sid)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize("sampled", [False, "temperature", True], ids=["greedy", "seeded-temperature", "seeded-top-p"])
 def test_every_bucket_replays_exactly_like_eager(setup, sampled):
     llm, runner = setup
     generator = torch.Generator().manual_seed(3)

@@ -1,0 +1,115 @@
+"""Temperature sampling fused into two short passes over the logits (no top-k / top-p).
+
+``graphrt.sampler.sample`` draws with the exponential race: ``argmax_i exp(x_i / T - max) / E_i`` with
+``E_i = -log(U_i)`` and ``U_i`` a counter-based hash of (seed, step, token id). Unfused that is ~25
+kernels over [B, V] (a scaled copy, its max, exp, the 64-bit hash chain, log, divide, argmax). Here
+pass 1 computes, per chunk of a row, ``x_i / T - log(E_i)`` -- the logarithm of the same race, so the
+same draw -- and its maximum; pass 2 (shared with ``graphrt.kernels.argmax``) picks each row's best
+chunk. The noise is bit-identical to ``graphrt.sampler.uniform_noise`` (same hash, same keys); the
+float arithmetic differs (log domain, no max subtracted), so the token differs from ``sample``'s only
+when two race values tie to within float32 rounding. Greedy rows (temperature 0) take the plain argmax,
+ties to the lowest id, exactly as ``sample`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sampler import SamplingTensors
+from .argmax import _CHUNK, _row_argmax_kernel
+
+# The constants of graphrt.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
+# the only kind a compiled Triton kernel may read.
+_MUL1 = tl.constexpr(0x7FEB352D)
+_MUL2 = tl.constexpr(0x846CA68B)
+_KEY1_SALT = tl.constexpr(0x6A09E667)
+_KEY2_SALT = tl.constexpr(0xBB67AE85)
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on uint32 values (multiplication wraps mod 2**32), as ``graphrt.sampler.hash32``."""
+    x = x ^ (x >> 16)
+    x = x * tl.full((), _MUL1, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), _MUL2, tl.uint32)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _temperature_chunk_kernel(
+    logits_ptr,  # [B, V]
+    temperature_ptr,  # [B] float32, 0 = greedy
+    seeds_ptr,  # [B] int64
+    steps_ptr,  # [B] int64
+    chunk_max_ptr,  # [B, C] float32
+    chunk_index_ptr,  # [B, C] int64
+    stride_row,
+    vocab_size,
+    num_chunks,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_vocab = cols < vocab_size
+    values = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:
+        # Row keys from the 64-bit seed and step, chained as graphrt.sampler._row_keys does.
+        seed = tl.load(seeds_ptr + row)
+        step = tl.load(steps_ptr + row)
+        s_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        s_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        t_lo = (step & 0xFFFFFFFF).to(tl.uint32)
+        t_hi = ((step >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key1 = _hash32(s_lo ^ tl.full((), _KEY1_SALT, tl.uint32))
+        key1 = _hash32(key1 ^ s_hi)
+        key1 = _hash32(key1 ^ t_hi)
+        key1 = _hash32(key1 ^ t_lo)
+        key2 = _hash32(s_hi ^ tl.full((), _KEY2_SALT, tl.uint32))
+        key2 = _hash32(key2 ^ t_hi)
+        key2 = _hash32(key2 ^ s_lo)
+        key2 = _hash32(key2 ^ t_lo)
+        bits = _hash32(_hash32(cols.to(tl.uint32) ^ key1) ^ key2)
+        uniform = ((bits >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # odd multiples of 2**-24
+        values = values / temperature - tl.log(-tl.log(uniform))
+        values = tl.where(in_vocab, values, float("-inf"))
+    best, best_col = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, best)
+    tl.store(chunk_index_ptr + row * num_chunks + chunk, chunk * CHUNK + best_col.to(tl.int64))
+
+
+def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row for rows without top-k / top-p: greedy rows take the argmax, the others draw
+    from softmax(logits / temperature) with the row's (seed, step) noise.
+
+    logits: [B, V] float (columns contiguous, finite); sampling: B rows on the same device (its top-k
+    and top-p are ignored: use ``graphrt.sampler.sample`` for rows that set them); out: [B] int64
+    (allocated when not given). Allocates a [B, ceil(V / 4096)] scratch pair; capturable.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [B, V] with contiguous columns, got shape {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    if sampling.batch_size != batch:
+        raise ValueError(f"logits have {batch} rows, sampling tensors {sampling.batch_size}")
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    elif out.shape != (batch,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
+    if batch == 0:
+        return out
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_index = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)
+    _temperature_chunk_kernel[(batch, num_chunks)](
+        logits, sampling.temperature, sampling.seeds, sampling.steps, chunk_max, chunk_index,
+        logits.stride(0), vocab, num_chunks, CHUNK=chunk, num_warps=8,
+    )
+    _row_argmax_kernel[(batch,)](chunk_max, chunk_index, out, num_chunks,
+                                 CHUNKS_BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+    return out
