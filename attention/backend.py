@@ -134,10 +134,12 @@ class AttentionBackend(ABC):
         padded_batch_size: int,
         input_ids: list[int] | None = None,
         positions: list[int] | None = None,
+        block_table_versions: list[int] | None = None,
     ) -> None:
         """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
-        (token 0 at position 0, slot -1, length 1, null block)."""
-        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions)
+        (token 0 at position 0, slot -1, length 1, null block); see ``DecodeGraphState.refresh``."""
+        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions,
+                      block_table_versions)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:

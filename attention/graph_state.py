@@ -100,12 +100,15 @@ class DecodeGraphState:
         padded_batch_size: int,
         input_ids: list[int] | None = None,
         positions: list[int] | None = None,
+        block_table_versions: list[int] | None = None,
     ) -> None:
         """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
         numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
         ``input_ids``/``positions`` (one per real row) default to 0. Padding rows get token 0 at
-        position 0, slot -1, length 1 and the null block. Raises ValueError for a row that exceeds the
-        captured maximum context; nothing is copied then.
+        position 0, slot -1, length 1 and the null block. ``block_table_versions`` (ints >= 0, equal
+        only for equal tables; see ``DecodeBatch``) let a row whose table is already staged skip its
+        conversion. Raises ValueError for a row that exceeds the captured maximum context; nothing is
+        copied then.
 
         The copy reads the staging buffer asynchronously: call again only after the step that used the
         last refresh finished (the graph runner waits for its tokens, which guarantees that).
@@ -131,15 +134,31 @@ class DecodeGraphState:
         lens[:batch] = seq_lens
         lens[batch:n] = PAD_SEQ_LEN
         np.cumsum(lens[:n], out=host["seq_start_loc"][1 : n + 1])
-        tables = host["block_tables"]
-        tables[:n] = NULL_BLOCK
+        tables, staged = host["block_tables"], self._staged_versions()
         for row, table in enumerate(block_tables):
+            version = _UNKNOWN if block_table_versions is None else block_table_versions[row]
+            if version != _UNKNOWN and staged[row] == version:
+                continue  # this exact table is in the staging row already
+            tables[row] = NULL_BLOCK
             tables[row, : len(table)] = table
+            staged[row] = version
+        padding = staged[batch:n] != _PADDING
+        if padding.any():
+            tables[batch:n][padding] = NULL_BLOCK
+            staged[batch:n] = _PADDING
         used = self._layout().bytes_through_row(n)  # block tables come last: later rows are not read
         self.device_buffer[:used].copy_(self.staging[:used], non_blocking=True)
 
     def _layout(self) -> _Layout:
         return _Layout(self.max_batch_size, self.max_blocks_per_seq)
+
+    def _staged_versions(self) -> np.ndarray:
+        """[B] int64: per staging row, the version of the block table it holds (``_UNKNOWN`` when not
+        known, ``_PADDING`` for a padding row's null-block row)."""
+        staged = self.extras.get(_STAGED_VERSIONS)
+        if staged is None:
+            staged = self.extras[_STAGED_VERSIONS] = np.full(self.max_batch_size, _UNKNOWN, dtype=np.int64)
+        return staged
 
     def _host_arrays(self) -> dict[str, np.ndarray]:
         """numpy views of the staging buffer's fields (cached: building them costs more than writing)."""
@@ -149,8 +168,12 @@ class DecodeGraphState:
         return arrays
 
 
-#: Key of the cached numpy views of the staging buffer in ``DecodeGraphState.extras``.
+#: Keys of the cached numpy views of the staging buffer and of the staged table versions in ``extras``.
 _HOST_ARRAYS = "host_arrays"
+_STAGED_VERSIONS = "staged_block_table_versions"
+#: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.
+_UNKNOWN = -1
+_PADDING = -2
 
 
 class _Layout:

@@ -15,6 +15,11 @@ class DecodeBatch:
     attended after its K/V is written at ``slot_mapping[i]`` (block * block_size + offset);
     ``block_tables[i]`` lists the row's physical KV blocks. Sampling: ``params[i]``, ``seeds[i]``
     (the row's random stream) and ``steps[i]`` (index of this token within the row's output).
+
+    ``block_table_versions`` (optional): one int >= 0 per row naming the contents of its block table
+    (``BlockManager.table_version``): equal versions promise equal tables, so the graph runner restages
+    only rows whose version changed since the last step (without them every table is converted every
+    step: O(batch x blocks) host work).
     """
 
     input_ids: list[int]
@@ -25,6 +30,7 @@ class DecodeBatch:
     seeds: list[int]
     steps: list[int]
     seq_lens: list[int] = field(default_factory=list)
+    block_table_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.seq_lens:
@@ -32,6 +38,8 @@ class DecodeBatch:
         size = len(self.input_ids)
         lengths = {name: len(getattr(self, name)) for name in
                    ("positions", "block_tables", "slot_mapping", "params", "seeds", "steps", "seq_lens")}
+        if self.block_table_versions is not None:
+            lengths["block_table_versions"] = len(self.block_table_versions)
         wrong = {name: n for name, n in lengths.items() if n != size}
         if wrong:
             raise ValueError(f"decode batch has {size} input ids but {wrong}")

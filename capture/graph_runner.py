@@ -26,6 +26,7 @@ from graphrt.sampler import SamplingTensors, sample
 
 from .buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
 from .decode_batch import DecodeBatch
+from .static_sampling import StaticSampling
 from .stats import DecodeStats, EagerReason
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class DecodeGraphRunner:
         )
         # [B] int64 each, refreshed with the rest of the graph state in one copy.
         self.input_ids, self.positions = self.graph_state.input_ids, self.graph_state.positions
-        self.sampling = SamplingTensors.allocate(bs, self.device)
+        self._static_sampling = StaticSampling(bs, self.device)
+        self.sampling = self._static_sampling.tensors
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
         #: Fused Triton sampling (greedy argmax; temperature without top-k / top-p) when the model runs
@@ -220,9 +222,10 @@ class DecodeGraphRunner:
 
     def _refresh(self, batch: DecodeBatch, padded: int) -> None:
         self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
-                                         padded, input_ids=batch.input_ids, positions=batch.positions)
-        if not batch.all_greedy:  # greedy graphs never read the sampling rows: skip their copies
-            SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device).copy_into(self.sampling)
+                                         padded, input_ids=batch.input_ids, positions=batch.positions,
+                                         block_table_versions=batch.block_table_versions)
+        if not batch.all_greedy:  # greedy graphs never read the sampling rows: skip their copy
+            self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
 
     def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
         """The captured region: static inputs [:size] -> next_tokens[:size] (and logits).

@@ -13,6 +13,8 @@ Nothing here touches tensors: this module only decides ids, and returns
 
 from __future__ import annotations
 
+import itertools
+
 __all__ = [
     "NULL_BLOCK_ID",
     "NoFreeBlocksError",
@@ -155,6 +157,10 @@ class BlockManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[int, list[int]] = {}
+        # A version per table, drawn from one counter, so that a version names one table's contents:
+        # it changes whenever the table does and is never reused (see ``table_version``).
+        self._versions: dict[int, int] = {}
+        self._version_counter = itertools.count(1)
 
     # ---- capacity -------------------------------------------------------
 
@@ -216,6 +222,7 @@ class BlockManager:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         self._tables[seq_id] = self._take(self.blocks_needed(num_tokens))
+        self._new_version(seq_id)
 
     def grow(self, seq_id: int, num_tokens: int) -> None:
         """Extend ``seq_id``'s table to hold ``num_tokens`` positions in total.
@@ -225,7 +232,10 @@ class BlockManager:
         :meth:`prepare_write`.
         """
         table = self._table(seq_id)
-        table.extend(self._take(self._extra_blocks(seq_id, num_tokens)))
+        added = self._take(self._extra_blocks(seq_id, num_tokens))
+        if added:
+            table.extend(added)
+            self._new_version(seq_id)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` a table sharing all of ``parent_id``'s blocks.
@@ -236,6 +246,7 @@ class BlockManager:
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         self._tables[child_id] = [self.allocator.fork(b) for b in parent]
+        self._new_version(child_id)
 
     def prepare_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
         """Make the block holding ``position`` private to ``seq_id`` (copy-on-write).
@@ -256,12 +267,14 @@ class BlockManager:
         # The other holders keep ``src``; this sequence just stops holding it.
         self.allocator.free(src)
         table[index] = dst
+        self._new_version(seq_id)
         return src, dst
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s table, releasing one reference to each of its blocks."""
         table = self._table(seq_id)
         del self._tables[seq_id]
+        del self._versions[seq_id]
         # Release back to front: with the LIFO allocator, the sequence's first
         # block ends on top of the free stack, so a re-allocation of the same
         # size gets the same table back.
@@ -273,6 +286,17 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         """A copy of ``seq_id``'s physical block ids, in position order."""
         return list(self._table(seq_id))
+
+    def table_version(self, seq_id: int) -> int:
+        """A positive int naming the current contents of ``seq_id``'s table: it changes with every
+        change to the table (allocate, grow, fork, copy-on-write) and no other table state, of any
+        sequence, ever has it. Equal versions mean equal tables, so a reader that staged a table
+        can skip restaging it (``DecodeBatch.block_table_versions``)."""
+        self._table(seq_id)
+        return self._versions[seq_id]
+
+    def _new_version(self, seq_id: int) -> None:
+        self._versions[seq_id] = next(self._version_counter)
 
     def _block_index(self, table: list[int], position: int) -> int:
         if not isinstance(position, int) or not 0 <= position < len(table) * self.block_size:

@@ -63,6 +63,7 @@ class ModelRunner:
             params=[seq.params for seq in decodes],
             seeds=[seq.seed for seq in decodes],
             steps=[len(seq.output_token_ids) for seq in decodes],
+            block_table_versions=[self.block_manager.table_version(seq.seq_id) for seq in decodes],
         )
 
     @torch.inference_mode()

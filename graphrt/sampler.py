@@ -45,6 +45,7 @@ from .sampling_params import GREEDY_TEMPERATURE, SEED_LIMIT, SamplingParams
 
 __all__ = [
     "SamplingTensors",
+    "host_rows",
     "sample",
     "uniform_noise",
     "exponential_noise",
@@ -147,6 +148,42 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch
     return -torch.log(uniform_noise(seeds, steps, token_ids))
 
 
+def host_rows(
+    params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+) -> tuple[list[float], list[int], list[float], bool, bool]:
+    """Validate a batch's rows and convert them as ``SamplingTensors`` stores them.
+
+    Returns ``(temperatures, top_ks, top_ps, all_greedy, needs_top_k_top_p)``: temperature 0 for
+    greedy rows, top-k 0 for "off". Raises ValueError if the lengths differ or a seed / step is out of
+    range (see ``SamplingTensors.from_params``).
+    """
+    batch = len(params)
+    if len(seeds) != batch or len(steps) != batch:
+        raise ValueError(
+            f"from_params: got {batch} params, {len(seeds)} seeds and {len(steps)} steps; "
+            "they must have the same length"
+        )
+    temps: list[float] = []
+    top_ks: list[int] = []
+    top_ps: list[float] = []
+    all_greedy = True
+    needs_filter = False
+    for p, seed, step in zip(params, seeds, steps):
+        if not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"from_params: seed {seed!r} is not in [0, 2**63)")
+        if step < 0:
+            raise ValueError(f"from_params: step {step!r} is negative")
+        greedy = p.temperature < GREEDY_TEMPERATURE
+        top_k = p.top_k if p.top_k > 0 else 0
+        temps.append(0.0 if greedy else p.temperature)
+        top_ks.append(top_k)
+        top_ps.append(p.top_p)
+        all_greedy &= greedy
+        # Filters on greedy rows are irrelevant, so they do not force the sort.
+        needs_filter |= (not greedy) and (top_k > 0 or p.top_p < 1.0)
+    return temps, top_ks, top_ps, all_greedy, needs_filter
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a batch, on the device.
@@ -202,29 +239,7 @@ class SamplingTensors:
             ValueError: if the lengths differ or a seed / step is out of range.
         """
         batch = len(params)
-        if len(seeds) != batch or len(steps) != batch:
-            raise ValueError(
-                f"from_params: got {batch} params, {len(seeds)} seeds and {len(steps)} steps; "
-                "they must have the same length"
-            )
-        temps: list[float] = []
-        top_ks: list[int] = []
-        top_ps: list[float] = []
-        all_greedy = True
-        needs_filter = False
-        for p, seed, step in zip(params, seeds, steps):
-            if not 0 <= seed < SEED_LIMIT:
-                raise ValueError(f"from_params: seed {seed!r} is not in [0, 2**63)")
-            if step < 0:
-                raise ValueError(f"from_params: step {step!r} is negative")
-            greedy = p.temperature < GREEDY_TEMPERATURE
-            top_k = p.top_k if p.top_k > 0 else 0
-            temps.append(0.0 if greedy else p.temperature)
-            top_ks.append(top_k)
-            top_ps.append(p.top_p)
-            all_greedy &= greedy
-            # Filters on greedy rows are irrelevant, so they do not force the sort.
-            needs_filter |= (not greedy) and (top_k > 0 or p.top_p < 1.0)
+        temps, top_ks, top_ps, all_greedy, needs_filter = host_rows(params, seeds, steps)
         # Two host-to-device copies (one per dtype) instead of five.
         floats = torch.tensor([temps, top_ps], dtype=torch.float32, device=device).reshape(2, batch)
         ints = torch.tensor(

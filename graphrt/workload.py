@@ -58,6 +58,7 @@ def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int,
         slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
         params=[params or SamplingParams(temperature=0.0)] * batch_size,
         seeds=list(range(batch_size)),
+        block_table_versions=[bm.table_version(sid) for sid in range(batch_size)],
         steps=[0] * batch_size,
     )
 

@@ -484,6 +484,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.tables: dict[int, list[int]] = {}
         self.next_id = 0
+        self.versions_seen: dict[int, tuple[int, ...]] = {}  # table_version -> the table it named
 
     # -- model helpers
 
@@ -642,6 +643,15 @@ class ManagerMachine(RuleBasedStateMachine):
         # Ref count == number of tables holding each block (0 for free ones).
         for b in range(self.n):
             assert self.m.allocator.ref_count(b) == holders.get(b, 0)
+
+    @invariant()
+    def a_table_version_names_one_table_forever(self):
+        """Equal versions mean equal tables, across sequences and over time (what lets the graph
+        runner skip restaging a block table)."""
+        for sid, table in self.tables.items():
+            version = self.m.table_version(sid)
+            assert version > 0
+            assert self.versions_seen.setdefault(version, tuple(table)) == tuple(table)
 
     @invariant()
     def slots_consistent_and_distinct(self):

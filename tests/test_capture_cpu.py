@@ -51,6 +51,56 @@ def test_refresh_writes_real_rows_and_inert_padding():
     assert metadata.block_tables.data_ptr() == state.block_tables.data_ptr()  # views, not copies
 
 
+def test_refresh_with_table_versions_restages_exactly_the_changed_rows():
+    """Steps where rows keep, grow, swap or drop their tables, with versions as BlockManager hands
+    them out: the device tables always equal a full restage's, while unchanged rows are skipped."""
+    import random
+
+    rng = random.Random(0)
+    state = DecodeGraphState.allocate(max_batch_size=8, max_seq_len=128, block_size=16, device=torch.device("cpu"))
+    next_version = iter(range(1, 10**6))
+    tables = {sid: ([rng.randrange(1, 500) for _ in range(rng.randrange(1, 8))], next(next_version))
+              for sid in range(12)}
+    for _ in range(60):
+        rows = rng.sample(sorted(tables), rng.randrange(1, 9))
+        for sid in rows:
+            if rng.random() < 0.3:  # the table changes (grow, copy-on-write): a new version
+                table = tables[sid][0][:-1] + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 3))]
+                tables[sid] = (table[:8], next(next_version))
+        padded = choose_bucket([1, 2, 4, 8], len(rows))
+        block_tables = [tables[sid][0] for sid in rows]
+        state.refresh([16 * len(t) for t in block_tables], block_tables, [16] * len(rows), padded,
+                      block_table_versions=[tables[sid][1] for sid in rows])
+        expected = [t + [NULL_BLOCK] * (8 - len(t)) for t in block_tables] + [[NULL_BLOCK] * 8] * (padded - len(rows))
+        assert state.block_tables[:padded].tolist() == expected
+
+
+def test_static_sampling_refresh_equals_from_params():
+    from graphrt.capture.static_sampling import StaticSampling
+    from graphrt.sampler import SamplingTensors
+
+    static = StaticSampling(6, torch.device("cpu"))
+    storage = static.device_buffer.data_ptr()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.9)]
+    seeds, steps = [3, 2**62 + 5, 0, 17], [0, 4, 9, 2**40]
+    static.refresh(params, seeds, steps)
+    expected = SamplingTensors.from_params(params, seeds, steps, "cpu")
+    for name in ("temperature", "top_k", "top_p", "seeds", "steps"):
+        assert torch.equal(getattr(static.tensors, name)[:4], getattr(expected, name)), name
+    assert (static.tensors.all_greedy, static.tensors.needs_top_k_top_p) == (False, True)
+    assert static.device_buffer.data_ptr() == storage  # a captured graph keeps reading the same memory
+    with pytest.raises(ValueError, match="seed"):
+        static.refresh([SamplingParams(temperature=0.5)], [-1], [0])
+    assert torch.equal(static.tensors.seeds[:4], expected.seeds)  # a rejected batch writes nothing
+
+
+def test_decode_batch_checks_version_count():
+    with pytest.raises(ValueError, match="block_table_versions"):
+        DecodeBatch(input_ids=[1], positions=[0], block_tables=[[1]], slot_mapping=[16], params=[SamplingParams()],
+                    seeds=[0], steps=[0], block_table_versions=[1, 2])
+
+
 def test_refresh_rejects_rows_beyond_captured_context():
     state = DecodeGraphState.allocate(4, 32, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="captured maximum context allows 2"):
