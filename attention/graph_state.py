@@ -117,6 +117,8 @@ class DecodeGraphState:
         if batch > padded_batch_size or padded_batch_size > self.max_batch_size:
             raise ValueError(f"batch {batch} does not fit padded size {padded_batch_size} (max {self.max_batch_size})")
         width = self.max_blocks_per_seq
+        if block_table_versions is not None and min(block_table_versions, default=0) < 0:
+            raise ValueError("block_table_versions must be >= 0")
         for row, table in enumerate(block_tables):
             if len(table) > width:
                 raise ValueError(f"row {row} has {len(table)} blocks; the captured maximum context allows {width}")
@@ -137,8 +139,9 @@ class DecodeGraphState:
         tables, staged = host["block_tables"], self._staged_versions()
         for row, table in enumerate(block_tables):
             version = _UNKNOWN if block_table_versions is None else block_table_versions[row]
-            if version != _UNKNOWN and staged[row] == version:
+            if version >= 0 and staged[row] == version:
                 continue  # this exact table is in the staging row already
+            staged[row] = _UNKNOWN  # until the row is fully written: a failed write is never trusted
             tables[row] = NULL_BLOCK
             tables[row, : len(table)] = table
             staged[row] = version
@@ -177,13 +180,16 @@ _PADDING = -2
 
 
 class _Layout:
-    """Byte offsets of the per-step fields in the staging/device buffers: three int64 rows of B (ids,
-    positions, slots), then int32 seq_lens [B], seq_start_loc [B + 1] and block_tables [B, M]."""
+    """Byte offsets of the per-step fields in the staging/device buffers: three int64 rows (ids,
+    positions, slots), then int32 seq_lens [B], seq_start_loc [B + 1] and block_tables [B, M]. Every
+    field starts on a 16-byte boundary, which Triton's kernels are specialised for."""
 
     def __init__(self, batch: int, width: int) -> None:
         self.batch, self.width = batch, width
-        self.int32_start = 3 * batch * 8
-        self.tables_start = self.int32_start + (2 * batch + 1) * 4
+        self.int64_row = _align(batch * 8) // 8  # elements per int64 row, padded
+        self.lens_start = 3 * self.int64_row * 8
+        self.starts_start = self.lens_start + _align(batch * 4)
+        self.tables_start = self.starts_start + _align((batch + 1) * 4)
         self.num_bytes = self.tables_start + batch * width * 4
 
     def bytes_through_row(self, rows: int) -> int:
@@ -192,13 +198,16 @@ class _Layout:
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         b = self.batch
-        int64 = buffer[: self.int32_start].view(torch.int64).view(3, b)
-        int32 = buffer[self.int32_start : self.tables_start].view(torch.int32)
+        int64 = buffer[: self.lens_start].view(torch.int64).view(3, self.int64_row)
         return {
-            "input_ids": int64[0],
-            "positions": int64[1],
-            "slot_mapping": int64[2],
-            "seq_lens": int32[:b],
-            "seq_start_loc": int32[b:],
+            "input_ids": int64[0, :b],
+            "positions": int64[1, :b],
+            "slot_mapping": int64[2, :b],
+            "seq_lens": buffer[self.lens_start : self.lens_start + 4 * b].view(torch.int32),
+            "seq_start_loc": buffer[self.starts_start : self.starts_start + 4 * (b + 1)].view(torch.int32),
             "block_tables": buffer[self.tables_start :].view(torch.int32).view(b, self.width),
         }
+
+
+def _align(num_bytes: int, to: int = 16) -> int:
+    return -(-num_bytes // to) * to

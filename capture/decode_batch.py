@@ -40,6 +40,8 @@ class DecodeBatch:
                    ("positions", "block_tables", "slot_mapping", "params", "seeds", "steps", "seq_lens")}
         if self.block_table_versions is not None:
             lengths["block_table_versions"] = len(self.block_table_versions)
+            if min(self.block_table_versions, default=0) < 0:
+                raise ValueError("block_table_versions must be >= 0")
         wrong = {name: n for name, n in lengths.items() if n != size}
         if wrong:
             raise ValueError(f"decode batch has {size} input ids but {wrong}")

@@ -32,9 +32,13 @@ from .stats import DecodeStats, EagerReason
 logger = logging.getLogger(__name__)
 
 #: Graphs are captured per sampling mode (``DecodeBatch.sampling_mode``): "greedy" is a bare argmax;
-#: "temperature" samples without top-k / top-p (greedy rows mixed in) in one pass over the logits;
-#: "sample" runs the general path (top-k, top-p), which sorts the vocabulary.
+#: "temperature" samples without top-k / top-p (greedy rows mixed in), with fused kernels in two short
+#: passes over the logits; "sample" adds the general path for top-k / top-p rows, which sorts the vocabulary.
 SAMPLING_MODES = ("greedy", "temperature", "sample")
+
+
+def _sample_into_unfused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(sample(logits, sampling))
 
 
 class DecodeGraphRunner:
@@ -88,14 +92,13 @@ class DecodeGraphRunner:
         self.sampling = self._static_sampling.tensors
         self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
-        #: Fused Triton sampling (greedy argmax; temperature without top-k / top-p) when the model runs
-        #: fused kernels; otherwise ``graphrt.sampler.sample`` for every mode.
-        self._greedy_argmax = self._sample_temperature = None
+        #: Token choice: the fused kernels' ``sample_fused`` when the model runs fused kernels, else
+        #: ``graphrt.sampler.sample``; both (logits, sampling, out) -> out.
+        self._sample_into = _sample_into_unfused
         if getattr(model, "fused_kernels", False):
-            from graphrt.kernels.argmax import argmax_rows
-            from graphrt.kernels.sampling import sample_temperature
+            from graphrt.kernels.sampling import sample_fused
 
-            self._greedy_argmax, self._sample_temperature = argmax_rows, sample_temperature
+            self._sample_into = sample_fused
 
     @property
     def max_seq_len(self) -> int:
@@ -256,12 +259,7 @@ class DecodeGraphRunner:
         logits = self.model.compute_logits(hidden)  # [B, V] in the model dtype
         if logits_out is not None:
             logits_out.copy_(logits)
-        if sampling.all_greedy and self._greedy_argmax is not None:
-            self._greedy_argmax(logits, out=tokens_out)  # same tokens as sample(); no single-block reduce
-        elif not sampling.needs_top_k_top_p and self._sample_temperature is not None:
-            self._sample_temperature(logits, sampling, out=tokens_out)  # same noise, log-domain race
-        else:
-            tokens_out.copy_(sample(logits, sampling))
+        self._sample_into(logits, sampling, out=tokens_out)
 
     def _sampling_view(self, size: int, mode: str) -> SamplingTensors:
         s = self.sampling

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 
 import torch
@@ -28,6 +29,10 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 #: Longest single sequence the GPU memory profile prefills (the batch is split into such sequences).
 _PROFILE_SEQ_LEN = 2048
 
@@ -46,6 +51,9 @@ class LLMEngine:
             self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
             self.attention_backend = get_attention_backend(config.attention_backend, self.device)
             self.fused_kernels = self.device.type == "cuda" if config.fused_kernels is None else config.fused_kernels
+            if self.fused_kernels and self.device.type == "cpu" and not _triton_interpreter_on():
+                raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
+                                  "interpreter (TRITON_INTERPRET=1, slow: meant for tests)")
             try:
                 model = LlamaForCausalLM(
                     self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,

@@ -42,6 +42,13 @@ class ModelRunner:
         self.decode_runner = decode_runner
         self.device = decode_runner.device
         self.block_size = block_manager.block_size
+        #: Prefill tokens are chosen as decode tokens are: the fused kernels with a fused model, so a
+        #: request's draws come from one race formula.
+        self._sample = sample
+        if getattr(model, "fused_kernels", False):
+            from .kernels.sampling import sample_fused
+
+            self._sample = sample_fused
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[int]:
         """Run one step; returns the sampled token id of each sequence, prefills first then decodes."""
@@ -100,7 +107,7 @@ class ModelRunner:
                 steps=[len(seq.output_token_ids) for seq in seqs],
                 device=self.device,
             )
-            token_ids = sample(logits, sampling).tolist()  # the step's one device-to-host copy
+            token_ids = self._sample(logits, sampling).tolist()  # the step's one device-to-host copy
         for seq in seqs:
             seq.num_computed_tokens = seq.num_tokens
         return token_ids

@@ -90,15 +90,35 @@ def test_static_sampling_refresh_equals_from_params():
         assert torch.equal(getattr(static.tensors, name)[:4], getattr(expected, name)), name
     assert (static.tensors.all_greedy, static.tensors.needs_top_k_top_p) == (False, True)
     assert static.device_buffer.data_ptr() == storage  # a captured graph keeps reading the same memory
+    staged = static.staging.clone()
     with pytest.raises(ValueError, match="seed"):
         static.refresh([SamplingParams(temperature=0.5)], [-1], [0])
-    assert torch.equal(static.tensors.seeds[:4], expected.seeds)  # a rejected batch writes nothing
+    assert torch.equal(static.staging, staged)  # a rejected batch writes nothing, not even the staging
 
 
-def test_decode_batch_checks_version_count():
+def test_refresh_skips_rows_whose_version_is_staged_and_never_trusts_a_failed_row():
+    state = DecodeGraphState.allocate(max_batch_size=4, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    state.refresh([20, 40], [[3, 4], [5, 6, 7]], [16, 32], 2, block_table_versions=[10, 11])
+    # Mark the staging row of version 10: an unchanged version must not be converted again, so the
+    # mark reaches the device (what a real caller never does; it shows the skip happens).
+    state._host_arrays()["block_tables"][0, 3] = 99
+    state.refresh([20, 40], [[3, 4], [5, 6, 7]], [16, 32], 2, block_table_versions=[10, 12])
+    assert state.block_tables[:2].tolist() == [[3, 4, 0, 99], [5, 6, 7, 0]]
+    with pytest.raises(OverflowError):  # a block id beyond int32 fails half-way through row 0
+        state.refresh([20], [[3, 2**40]], [16], 1, block_table_versions=[13])
+    state.refresh([20], [[3, 4]], [16], 1, block_table_versions=[13])  # the failed row is restaged
+    assert state.block_tables[:1].tolist() == [[3, 4, 0, 0]]
+    with pytest.raises(ValueError, match=">= 0"):
+        state.refresh([20], [[3, 4]], [16], 1, block_table_versions=[-2])
+
+
+def test_decode_batch_checks_versions():
+    rows = dict(input_ids=[1], positions=[0], block_tables=[[1]], slot_mapping=[16], params=[SamplingParams()],
+                seeds=[0], steps=[0])
     with pytest.raises(ValueError, match="block_table_versions"):
-        DecodeBatch(input_ids=[1], positions=[0], block_tables=[[1]], slot_mapping=[16], params=[SamplingParams()],
-                    seeds=[0], steps=[0], block_table_versions=[1, 2])
+        DecodeBatch(**rows, block_table_versions=[1, 2])
+    with pytest.raises(ValueError, match=">= 0"):
+        DecodeBatch(**rows, block_table_versions=[-1])
 
 
 def test_refresh_rejects_rows_beyond_captured_context():

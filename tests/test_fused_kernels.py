@@ -297,7 +297,7 @@ def check_temperature_sampling(batch, vocab, dtype, seed=0):
     got, want = sample_temperature(logits, rows), sample(logits, rows)
     greedy = rows.temperature == 0
     assert torch.equal(got[greedy], want[greedy])
-    assert (got != want).sum().item() <= max(1, batch // 50)
+    assert (got != want).sum().item() <= batch // 100  # near-ties in float32 are ~1e-6 a row
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -331,3 +331,33 @@ def test_temperature_sampling_follows_softmax():
     expected = torch.softmax(row.double() / temperature, 0) * draws
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom
+
+
+def test_fused_sampling_routes_each_row_by_its_own_parameters(monkeypatch):
+    """In a batch with a top-p row, only that row takes the sorting path (stubbed here to answer -5);
+    the temperature-only row still gets the fused race's token and the greedy row its argmax, exactly
+    as in batches without the top-p row: a row's token never depends on what shares its batch."""
+    from graphrt.kernels import sampling as fused
+    from graphrt.sampler import SamplingTensors
+    from graphrt.sampling_params import SamplingParams
+
+    logits = _randn(3, 700, dtype=torch.float32, seed=9, scale=2.0)
+    hot, top_p = SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.5)
+    greedy = SamplingParams(temperature=0.0)
+
+    def rows(params):
+        return SamplingTensors.from_params(params, [77] * len(params), [5] * len(params), DEVICE)
+
+    alone = fused.sample_fused(logits[:1].contiguous(), rows([hot]))[0].item()
+    monkeypatch.setattr(fused, "sample", lambda lg, t: torch.full((lg.shape[0],), -5, device=lg.device))
+    mixed = fused.sample_fused(logits, rows([hot, top_p, greedy])).tolist()
+    assert mixed == [alone, -5, torch.argmax(logits[2]).item()]
+
+
+def test_fused_kernels_on_cpu_need_the_interpreter(monkeypatch):
+    from graphrt import LLM
+    from graphrt.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="fused_kernels=True needs a CUDA device"):
+        LLM("random:tiny", device="cpu", fused_kernels=True, progress=False)

@@ -6,8 +6,11 @@ eight (profiles/notes_fusion.md has the measurements). The rotary embedding fuse
 write lives with the cache kernels, in ``graphrt.attention.triton_rope_cache_write``.
 
 Each fused kernel rounds to the model dtype exactly where the unfused torch code does (every torch
-op on bf16 tensors computes in float32 and rounds its result), so the two paths agree bit for bit
-except where a float32 reduction sums in another order.
+op on bf16 tensors computes in float32 and rounds its result), so in bf16 the two paths agree bit for
+bit except where a float32 reduction sums in another order (the norm: its last bit). In float32 the GPU
+may contract a product and a sum into one FMA; in float16 Triton may fold a rounding round trip. The
+temperature sampler draws from the same noise as ``graphrt.sampler`` and differs only at float32
+near-ties.
 
 Modules import Triton at import time; import them only where Triton can run (CUDA, or the CPU
 interpreter under ``TRITON_INTERPRET=1``).

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sampler import SamplingTensors
-from .argmax import _CHUNK, _row_argmax_kernel
+from ..sampler import SamplingTensors, sample
+from .argmax import _CHUNK, _row_argmax_kernel, argmax_rows
 
 # The constants of graphrt.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
 # the only kind a compiled Triton kernel may read.
@@ -112,4 +112,19 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
     )
     _row_argmax_kernel[(batch,)](chunk_max, chunk_index, out, num_chunks,
                                  CHUNKS_BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+    return out
+
+
+def sample_fused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``graphrt.sampler.sample``'s contract on the fused kernels: greedy rows take the argmax,
+    temperature-only rows the fused race above, rows with top-k / top-p the sampler's sorting path.
+    Which path a row takes depends on its own parameters only, so its token never depends on what else
+    shares the batch. logits: [B, V]; returns ``out``: [B] int64. Capturable (the paths run are chosen
+    by ``sampling``'s host flags, the per-row choice on the device)."""
+    if sampling.all_greedy:
+        return argmax_rows(logits, out=out)
+    out = sample_temperature(logits, sampling, out=out)
+    if sampling.needs_top_k_top_p:
+        filtered = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
+        out.copy_(torch.where(filtered, sample(logits, sampling), out))
     return out

@@ -6,7 +6,7 @@ then decodes) and its own paged KV cache, so one forward serves any mix of prefi
 ``fused_kernels=True`` swaps the layer's elementwise work for Triton kernels (``graphrt.kernels`` and
 ``graphrt.attention.triton_rope_cache_write``): residual add + RMSNorm, rotary embedding + KV-cache
 write, SiLU * up, one launch each. ``False`` keeps the unfused torch ops as the reference to compare
-against; both give the same tokens (see ``graphrt.kernels``).
+against; the two round alike (``graphrt.kernels`` says where they can still differ).
 """
 
 from __future__ import annotations
