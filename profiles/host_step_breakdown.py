@@ -17,7 +17,7 @@ import time
 import torch
 
 from graphrt.capture.buckets import choose_bucket
-from graphrt.cli import add_model_arguments, fused_kernels_option
+from graphrt.cli import add_model_arguments
 from graphrt.workload import decode_workload
 
 
@@ -27,7 +27,7 @@ def _median_us(samples: list[float]) -> float:
 
 def measure(args) -> dict:
     engine, batch = decode_workload(args.model, args.device, args.dtype, args.batch_size, args.context,
-                                    enforce_eager=False, fused_kernels=fused_kernels_option(args))
+                                    enforce_eager=False, fused_kernels=args.fused_kernels)
     runner = engine.decode_runner
     padded = choose_bucket(runner.capture_sizes, len(batch))
     graph = runner.graphs[(padded, "greedy")]

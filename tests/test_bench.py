@@ -21,3 +21,12 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:4] == ["batch", "ctx", "eager", "ms"]
     assert len(table) == 3
+
+
+def test_unfused_flag_maps_to_the_engine_option():
+    """``--unfused`` yields EngineConfig.fused_kernels directly: False when given, None (device default)."""
+    from graphrt.cli import build_parser
+
+    for command in ("generate", "bench", "profile"):
+        assert build_parser().parse_args([command]).fused_kernels is None
+        assert build_parser().parse_args([command, "--unfused"]).fused_kernels is False
