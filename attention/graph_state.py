@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from graphrt.staging import PackedStaging
+
 from .metadata import AttentionMetadata
 
 #: Padding rows write nowhere (slot -1 is skipped), attend to one key, and read only the null block.
@@ -18,12 +20,11 @@ NULL_BLOCK = 0
 
 @dataclass
 class DecodeGraphState:
-    """Device tensors a captured decode graph reads, and their pinned host mirrors.
+    """Device tensors a captured decode graph reads, and their pinned host mirror.
 
-    ``B`` = largest bucket, ``M = ceil(max_seq_len / block_size)`` = block-table width. Every per-step
-    field lives in one byte buffer (int64 rows first, then int32), mirrored by one pinned host buffer,
-    so a refresh is one host-to-device copy of a prefix of it: a step's host cost is then numpy writes
-    and a single copy, not a copy (and a cumsum kernel) per field.
+    ``B`` = largest bucket, ``M = ceil(max_seq_len / block_size)`` = block-table width. The per-step
+    fields share one ``PackedStaging`` (block tables last), so a refresh is numpy writes and one copy of
+    the bytes in use, not a copy (and a cumsum kernel) per field.
     """
 
     input_ids: torch.Tensor  # [B] int64, the token each row decodes
@@ -34,8 +35,11 @@ class DecodeGraphState:
     block_tables: torch.Tensor  # [B, M] int32
     query_lens: torch.Tensor  # [B] int32, all ones (decode)
     query_start_loc: torch.Tensor  # [B + 1] int32, arange (one token per row)
-    staging: torch.Tensor  # uint8, the pinned (on CUDA) host mirror of the device buffer behind the fields above
-    device_buffer: torch.Tensor  # uint8, the device buffer the fields above view
+    #: The buffers behind the six fields above and their host mirror.
+    packed: PackedStaging
+    #: [B] int64: per staging row, the version of the block table it holds (``_UNKNOWN`` when not known,
+    #: ``_PADDING`` for a padding row's null-block row).
+    staged_versions: np.ndarray
     block_size: int
     #: Captured maximum context: rows longer than this cannot replay and run eagerly.
     max_seq_len: int
@@ -53,20 +57,26 @@ class DecodeGraphState:
     @classmethod
     def allocate(cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device) -> DecodeGraphState:
         batch, width = max_batch_size, -(-max_seq_len // block_size)
-        layout = _Layout(batch, width)
-        staging = torch.zeros(layout.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        host = layout.views(staging)
-        host["seq_lens"].fill_(PAD_SEQ_LEN)
-        host["slot_mapping"].fill_(PAD_SLOT)
-        host["block_tables"].fill_(NULL_BLOCK)
-        torch.cumsum(host["seq_lens"], 0, dtype=torch.int32, out=host["seq_start_loc"][1:])
-        device_buffer = torch.empty_like(staging, device=device).copy_(staging)  # distinct even on CPU
+        packed = PackedStaging([
+            ("input_ids", torch.int64, (batch,)),
+            ("positions", torch.int64, (batch,)),
+            ("slot_mapping", torch.int64, (batch,)),
+            ("seq_lens", torch.int32, (batch,)),
+            ("seq_start_loc", torch.int32, (batch + 1,)),
+            ("block_tables", torch.int32, (batch, width)),  # last: a refresh copies a prefix of its rows
+        ], device)
+        host = packed.host
+        host["seq_lens"][:] = PAD_SEQ_LEN
+        host["slot_mapping"][:] = PAD_SLOT
+        host["block_tables"][:] = NULL_BLOCK
+        np.cumsum(host["seq_lens"], out=host["seq_start_loc"][1:])
+        packed.upload(non_blocking=False)
         return cls(
-            **layout.views(device_buffer),
+            **packed.device,
             query_lens=torch.ones(batch, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-            staging=staging,
-            device_buffer=device_buffer,
+            packed=packed,
+            staged_versions=np.full(batch, _PADDING, dtype=np.int64),
             block_size=block_size,
             max_seq_len=max_seq_len,
         )
@@ -122,7 +132,7 @@ class DecodeGraphState:
         for row, table in enumerate(block_tables):
             if len(table) > width:
                 raise ValueError(f"row {row} has {len(table)} blocks; the captured maximum context allows {width}")
-        host = self._host_arrays()
+        host = self.packed.host
         n = padded_batch_size
         for name, values in (("input_ids", input_ids), ("positions", positions)):
             if values is None:
@@ -136,7 +146,7 @@ class DecodeGraphState:
         lens[:batch] = seq_lens
         lens[batch:n] = PAD_SEQ_LEN
         np.cumsum(lens[:n], out=host["seq_start_loc"][1 : n + 1])
-        tables, staged = host["block_tables"], self._staged_versions()
+        tables, staged = host["block_tables"], self.staged_versions
         for row, table in enumerate(block_tables):
             version = _UNKNOWN if block_table_versions is None else block_table_versions[row]
             if version >= 0 and staged[row] == version:
@@ -149,65 +159,9 @@ class DecodeGraphState:
         if padding.any():
             tables[batch:n][padding] = NULL_BLOCK
             staged[batch:n] = _PADDING
-        used = self._layout().bytes_through_row(n)  # block tables come last: later rows are not read
-        self.device_buffer[:used].copy_(self.staging[:used], non_blocking=True)
-
-    def _layout(self) -> _Layout:
-        return _Layout(self.max_batch_size, self.max_blocks_per_seq)
-
-    def _staged_versions(self) -> np.ndarray:
-        """[B] int64: per staging row, the version of the block table it holds (``_UNKNOWN`` when not
-        known, ``_PADDING`` for a padding row's null-block row)."""
-        staged = self.extras.get(_STAGED_VERSIONS)
-        if staged is None:
-            staged = self.extras[_STAGED_VERSIONS] = np.full(self.max_batch_size, _UNKNOWN, dtype=np.int64)
-        return staged
-
-    def _host_arrays(self) -> dict[str, np.ndarray]:
-        """numpy views of the staging buffer's fields (cached: building them costs more than writing)."""
-        arrays = self.extras.get(_HOST_ARRAYS)
-        if arrays is None:
-            arrays = self.extras[_HOST_ARRAYS] = {k: v.numpy() for k, v in self._layout().views(self.staging).items()}
-        return arrays
+        self.packed.upload(self.packed.bytes_through("block_tables", n))  # later rows are not read
 
 
-#: Keys of the cached numpy views of the staging buffer and of the staged table versions in ``extras``.
-_HOST_ARRAYS = "host_arrays"
-_STAGED_VERSIONS = "staged_block_table_versions"
 #: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.
 _UNKNOWN = -1
 _PADDING = -2
-
-
-class _Layout:
-    """Byte offsets of the per-step fields in the staging/device buffers: three int64 rows (ids,
-    positions, slots), then int32 seq_lens [B], seq_start_loc [B + 1] and block_tables [B, M]. Every
-    field starts on a 16-byte boundary, which Triton's kernels are specialised for."""
-
-    def __init__(self, batch: int, width: int) -> None:
-        self.batch, self.width = batch, width
-        self.int64_row = _align(batch * 8) // 8  # elements per int64 row, padded
-        self.lens_start = 3 * self.int64_row * 8
-        self.starts_start = self.lens_start + _align(batch * 4)
-        self.tables_start = self.starts_start + _align((batch + 1) * 4)
-        self.num_bytes = self.tables_start + batch * width * 4
-
-    def bytes_through_row(self, rows: int) -> int:
-        """Bytes from the start of the buffer through block-table row ``rows - 1``."""
-        return self.tables_start + rows * self.width * 4
-
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        b = self.batch
-        int64 = buffer[: self.lens_start].view(torch.int64).view(3, self.int64_row)
-        return {
-            "input_ids": int64[0, :b],
-            "positions": int64[1, :b],
-            "slot_mapping": int64[2, :b],
-            "seq_lens": buffer[self.lens_start : self.lens_start + 4 * b].view(torch.int32),
-            "seq_start_loc": buffer[self.starts_start : self.starts_start + 4 * (b + 1)].view(torch.int32),
-            "block_tables": buffer[self.tables_start :].view(torch.int32).view(b, self.width),
-        }
-
-
-def _align(num_bytes: int, to: int = 16) -> int:
-    return -(-num_bytes // to) * to

@@ -1,8 +1,8 @@
 """A decode graph's sampling rows: static device tensors refreshed from one pinned buffer in one copy.
 
 ``SamplingTensors.from_params`` + ``copy_into`` cost two pageable host-to-device copies and five
-device copies per step; here the five fields share one device buffer (int64 rows, then float32 rows)
-mirrored by one pinned host buffer, so a refresh is numpy writes and a single non-blocking copy.
+device copies per step; here the five fields share one ``PackedStaging``, so a refresh is numpy
+writes and a single non-blocking copy.
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ import torch
 
 from graphrt.sampler import SamplingTensors, host_rows
 from graphrt.sampling_params import SamplingParams
-
-_INT64_FIELDS = ("top_k", "seeds", "steps")
-_FLOAT32_FIELDS = ("temperature", "top_p")
-
-
-def _views(buffer: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
-    """The five [rows] fields inside a uint8 buffer of 32 * rows bytes."""
-    int64 = buffer[: 24 * rows].view(torch.int64).view(3, rows)
-    float32 = buffer[24 * rows:].view(torch.float32).view(2, rows)
-    return {**dict(zip(_INT64_FIELDS, int64)), **dict(zip(_FLOAT32_FIELDS, float32))}
+from graphrt.staging import PackedStaging
 
 
 class StaticSampling:
@@ -30,13 +21,14 @@ class StaticSampling:
     captured graph reads it); ``refresh`` writes a batch into its first rows."""
 
     def __init__(self, max_batch_size: int, device: torch.device) -> None:
-        rows = max_batch_size
-        self.staging = torch.zeros(32 * rows, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        host = _views(self.staging, rows)
-        host["top_p"].fill_(1.0)  # every row greedy with filters off until the first refresh
-        self._host = {name: view.numpy() for name, view in host.items()}
-        self.device_buffer = torch.empty_like(self.staging, device=device).copy_(self.staging)
-        self.tensors = SamplingTensors(**_views(self.device_buffer, rows), all_greedy=True, needs_top_k_top_p=False)
+        rows = (max_batch_size,)
+        self.packed = PackedStaging([
+            ("top_k", torch.int64, rows), ("seeds", torch.int64, rows), ("steps", torch.int64, rows),
+            ("temperature", torch.float32, rows), ("top_p", torch.float32, rows),
+        ], device)
+        self.packed.host["top_p"][:] = 1.0  # every row greedy with filters off until the first refresh
+        self.packed.upload(non_blocking=False)
+        self.tensors = SamplingTensors(**self.packed.device, all_greedy=True, needs_top_k_top_p=False)
 
     def refresh(self, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> None:
         """Validate (as ``SamplingTensors.from_params``) and write rows ``[:len(params)]``, then copy;
@@ -46,11 +38,11 @@ class StaticSampling:
         if len(params) > self.tensors.batch_size:
             raise ValueError(f"{len(params)} sampling rows do not fit {self.tensors.batch_size}")
         temps, top_ks, top_ps, all_greedy, needs_filter = host_rows(params, seeds, steps)
-        n, host = len(params), self._host
+        n, host = len(params), self.packed.host
         host["temperature"][:n] = temps
         host["top_p"][:n] = top_ps
         host["top_k"][:n] = top_ks
         host["seeds"][:n] = seeds
         host["steps"][:n] = steps
-        self.device_buffer.copy_(self.staging, non_blocking=True)
+        self.packed.upload()
         self.tensors.all_greedy, self.tensors.needs_top_k_top_p = all_greedy, needs_filter

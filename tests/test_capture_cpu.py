@@ -80,7 +80,7 @@ def test_static_sampling_refresh_equals_from_params():
     from graphrt.sampler import SamplingTensors
 
     static = StaticSampling(6, torch.device("cpu"))
-    storage = static.device_buffer.data_ptr()
+    storage = static.packed.device_buffer.data_ptr()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
               SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.9)]
     seeds, steps = [3, 2**62 + 5, 0, 17], [0, 4, 9, 2**40]
@@ -89,11 +89,11 @@ def test_static_sampling_refresh_equals_from_params():
     for name in ("temperature", "top_k", "top_p", "seeds", "steps"):
         assert torch.equal(getattr(static.tensors, name)[:4], getattr(expected, name)), name
     assert (static.tensors.all_greedy, static.tensors.needs_top_k_top_p) == (False, True)
-    assert static.device_buffer.data_ptr() == storage  # a captured graph keeps reading the same memory
-    staged = static.staging.clone()
+    assert static.packed.device_buffer.data_ptr() == storage  # a captured graph keeps reading the same memory
+    staged = static.packed.staging.clone()
     with pytest.raises(ValueError, match="seed"):
         static.refresh([SamplingParams(temperature=0.5)], [-1], [0])
-    assert torch.equal(static.staging, staged)  # a rejected batch writes nothing, not even the staging
+    assert torch.equal(static.packed.staging, staged)  # a rejected batch writes nothing, not even the staging
 
 
 def test_refresh_skips_rows_whose_version_is_staged_and_never_trusts_a_failed_row():
@@ -101,7 +101,7 @@ def test_refresh_skips_rows_whose_version_is_staged_and_never_trusts_a_failed_ro
     state.refresh([20, 40], [[3, 4], [5, 6, 7]], [16, 32], 2, block_table_versions=[10, 11])
     # Mark the staging row of version 10: an unchanged version must not be converted again, so the
     # mark reaches the device (what a real caller never does; it shows the skip happens).
-    state._host_arrays()["block_tables"][0, 3] = 99
+    state.packed.host["block_tables"][0, 3] = 99
     state.refresh([20, 40], [[3, 4], [5, 6, 7]], [16, 32], 2, block_table_versions=[10, 12])
     assert state.block_tables[:2].tolist() == [[3, 4, 0, 99], [5, 6, 7, 0]]
     with pytest.raises(OverflowError):  # a block id beyond int32 fails half-way through row 0
