@@ -31,7 +31,13 @@ def _chunk_argmax_kernel(
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     values = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab_size, other=float("-inf"))
-    values = values.to(tl.float32)
+    store_chunk_best(values.to(tl.float32), row, chunk, chunk_max_ptr, chunk_index_ptr, num_chunks, CHUNK)
+
+
+@triton.jit
+def store_chunk_best(values, row, chunk, chunk_max_ptr, chunk_index_ptr, num_chunks, CHUNK: tl.constexpr):
+    """Pass 1's result for one chunk: the largest of ``values`` ([CHUNK] float32, -inf outside the
+    vocabulary) and its column, the lowest on ties."""
     best, best_col = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(chunk_max_ptr + row * num_chunks + chunk, best)
     tl.store(chunk_index_ptr + row * num_chunks + chunk, chunk * CHUNK + best_col.to(tl.int64))
@@ -58,6 +64,19 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     """logits: [B, V] float (rows may be strided, columns contiguous; finite values) -> ``out``: [B]
     int64 index of each row's maximum, the lowest on ties (allocated when not given). Allocates a
     [B, ceil(V / 4096)] scratch pair; capturable in a CUDA graph (the launch depends on B and V)."""
+
+    def chunk_pass(grid, chunk_max, chunk_index, chunk, num_chunks):
+        _chunk_argmax_kernel[grid](logits, chunk_max, chunk_index, logits.stride(0), logits.shape[1], num_chunks,
+                                   CHUNK=chunk, num_warps=8)
+
+    return two_pass_argmax(logits, out, chunk_pass)
+
+
+def two_pass_argmax(logits: torch.Tensor, out: torch.Tensor | None, chunk_pass) -> torch.Tensor:
+    """Check ``logits`` ([B, V], contiguous columns) and ``out`` ([B] int64, allocated when None), run
+    ``chunk_pass(grid, chunk_max, chunk_index, chunk, num_chunks)`` -- pass 1, a kernel that fills the
+    [B, C] scratch pair through ``store_chunk_best`` -- then pass 2, which writes each row's winner to
+    ``out``. Returns ``out``."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [B, V] with contiguous columns, got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -73,8 +92,7 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     num_chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_index = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)
-    _chunk_argmax_kernel[(batch, num_chunks)](logits, chunk_max, chunk_index, logits.stride(0), vocab, num_chunks,
-                                              CHUNK=chunk, num_warps=8)
+    chunk_pass((batch, num_chunks), chunk_max, chunk_index, chunk, num_chunks)
     _row_argmax_kernel[(batch,)](chunk_max, chunk_index, out, num_chunks,
                                  CHUNKS_BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..sampler import SamplingTensors, sample
-from .argmax import _CHUNK, _row_argmax_kernel, argmax_rows
+from .argmax import argmax_rows, store_chunk_best, two_pass_argmax
 
 # The constants of graphrt.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
 # the only kind a compiled Triton kernel may read.
@@ -78,9 +78,7 @@ def _temperature_chunk_kernel(
         uniform = ((bits >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # odd multiples of 2**-24
         values = values / temperature - tl.log(-tl.log(uniform))
         values = tl.where(in_vocab, values, float("-inf"))
-    best, best_col = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(chunk_max_ptr + row * num_chunks + chunk, best)
-    tl.store(chunk_index_ptr + row * num_chunks + chunk, chunk * CHUNK + best_col.to(tl.int64))
+    store_chunk_best(values, row, chunk, chunk_max_ptr, chunk_index_ptr, num_chunks, CHUNK)
 
 
 def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,28 +89,16 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
     and top-p are ignored: use ``graphrt.sampler.sample`` for rows that set them); out: [B] int64
     (allocated when not given). Allocates a [B, ceil(V / 4096)] scratch pair; capturable.
     """
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [B, V] with contiguous columns, got shape {tuple(logits.shape)}")
-    batch, vocab = logits.shape
-    if sampling.batch_size != batch:
-        raise ValueError(f"logits have {batch} rows, sampling tensors {sampling.batch_size}")
-    if out is None:
-        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    elif out.shape != (batch,) or out.dtype != torch.int64:
-        raise ValueError(f"out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
-    if batch == 0:
-        return out
-    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
-    num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-    chunk_index = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)
-    _temperature_chunk_kernel[(batch, num_chunks)](
-        logits, sampling.temperature, sampling.seeds, sampling.steps, chunk_max, chunk_index,
-        logits.stride(0), vocab, num_chunks, CHUNK=chunk, num_warps=8,
-    )
-    _row_argmax_kernel[(batch,)](chunk_max, chunk_index, out, num_chunks,
-                                 CHUNKS_BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
-    return out
+    if logits.dim() == 2 and sampling.batch_size != logits.shape[0]:  # other shapes: two_pass_argmax says
+        raise ValueError(f"logits have {logits.shape[0]} rows, sampling tensors {sampling.batch_size}")
+
+    def chunk_pass(grid, chunk_max, chunk_index, chunk, num_chunks):
+        _temperature_chunk_kernel[grid](
+            logits, sampling.temperature, sampling.seeds, sampling.steps, chunk_max, chunk_index,
+            logits.stride(0), logits.shape[1], num_chunks, CHUNK=chunk, num_warps=8,
+        )
+
+    return two_pass_argmax(logits, out, chunk_pass)
 
 
 def sample_fused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
