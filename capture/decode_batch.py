@@ -59,5 +59,4 @@ class DecodeBatch:
         uses top-k or top-p) or ``sample`` (the general path, which sorts the vocabulary)."""
         if self.all_greedy:
             return "greedy"
-        filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in self.params)
-        return "sample" if filtered else "temperature"
+        return "sample" if any(p.filtered for p in self.params) else "temperature"

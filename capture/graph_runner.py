@@ -196,8 +196,7 @@ class DecodeGraphRunner:
 
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
         with nvtx.decode_prepare():
-            self._refresh(batch, padded)
-        mode = batch.sampling_mode
+            mode = self._refresh(batch, padded)
         if not replay:
             self._forward(padded, mode, max_seq_len)
             return self.next_tokens[: len(batch)].tolist()
@@ -223,12 +222,15 @@ class DecodeGraphRunner:
     def _fits_static_buffers(self, batch: DecodeBatch) -> bool:
         return len(batch) <= self.max_batch_size and max(batch.seq_lens, default=0) <= self.max_seq_len
 
-    def _refresh(self, batch: DecodeBatch, padded: int) -> None:
+    def _refresh(self, batch: DecodeBatch, padded: int) -> str:
+        """Write ``batch`` into the static buffers (rows padded to ``padded``); returns its sampling mode."""
+        mode = batch.sampling_mode
         self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
                                          padded, input_ids=batch.input_ids, positions=batch.positions,
                                          block_table_versions=batch.block_table_versions)
-        if not batch.all_greedy:  # greedy graphs never read the sampling rows: skip their copy
+        if mode != "greedy":  # greedy graphs never read the sampling rows: skip their copy
             self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
+        return mode
 
     def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
         """The captured region: static inputs [:size] -> next_tokens[:size] (and logits).

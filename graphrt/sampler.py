@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .sampling_params import GREEDY_TEMPERATURE, SEED_LIMIT, SamplingParams
+from .sampling_params import SEED_LIMIT, SamplingParams
 
 __all__ = [
     "SamplingTensors",
@@ -173,14 +173,12 @@ def host_rows(
             raise ValueError(f"from_params: seed {seed!r} is not in [0, 2**63)")
         if step < 0:
             raise ValueError(f"from_params: step {step!r} is negative")
-        greedy = p.temperature < GREEDY_TEMPERATURE
-        top_k = p.top_k if p.top_k > 0 else 0
+        greedy = p.greedy
         temps.append(0.0 if greedy else p.temperature)
-        top_ks.append(top_k)
+        top_ks.append(p.top_k if p.top_k > 0 else 0)
         top_ps.append(p.top_p)
         all_greedy &= greedy
-        # Filters on greedy rows are irrelevant, so they do not force the sort.
-        needs_filter |= (not greedy) and (top_k > 0 or p.top_p < 1.0)
+        needs_filter |= p.filtered  # filters on greedy rows do not force the sort
     return temps, top_ks, top_ps, all_greedy, needs_filter
 
 

@@ -104,3 +104,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when this request decodes greedily (temperature below ``GREEDY_TEMPERATURE``)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def filtered(self) -> bool:
+        """True when this request samples through top-k or top-p (filters on greedy rows are moot)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
