@@ -12,7 +12,6 @@ order, so its output may differ by one unit in the last place of the model dtype
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -25,12 +24,11 @@ pytest.importorskip("triton")
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import activation, rms_norm  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding, rms_norm_torch, silu_and_mul_torch  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
 
-if not torch.cuda.is_available():
-    for module in (rope_write, activation, rms_norm):
-        kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
-        if type(kernel).__name__ != "InterpretedFunction":  # imported earlier without the interpreter
-            importlib.reload(module)
+rope_write = interpreted(rope_write, "_rope_cache_write_kernel")
+activation = interpreted(activation, "_silu_and_mul_kernel")
+rms_norm = interpreted(rms_norm, "_rms_norm_kernel")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -12,7 +12,6 @@ it, the module is reloaded here.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -24,8 +23,9 @@ pytest.importorskip("triton")
 
 from graphrt.attention import triton_cache_write as tcw  # noqa: E402
 
-if not torch.cuda.is_available() and type(tcw._write_kv_cache_kernel).__name__ != "InterpretedFunction":
-    tcw = importlib.reload(tcw)
+from triton_cpu import interpreted  # noqa: E402
+
+tcw = interpreted(tcw, "_write_kv_cache_kernel")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

@@ -10,7 +10,6 @@ CUDA-graph replay.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -24,9 +23,9 @@ triton = pytest.importorskip("triton")
 
 from graphrt.attention import triton_paged_decode as tpd  # noqa: E402
 from graphrt.attention.reference import attend, gather_from_paged_cache  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
 
-if not torch.cuda.is_available() and type(tpd._decode_split_kernel).__name__ != "InterpretedFunction":
-    tpd = importlib.reload(tpd)
+tpd = interpreted(tpd, "_decode_split_kernel")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

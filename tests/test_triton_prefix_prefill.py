@@ -9,7 +9,6 @@ shuffled physical blocks; cache slots no sequence owns hold NaN, and so does the
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import zlib
@@ -26,9 +25,9 @@ pytest.importorskip("triton")
 
 from graphrt.attention import triton_prefix_prefill as tpp  # noqa: E402
 from graphrt.attention.reference import attend, gather_from_paged_cache  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
 
-if not torch.cuda.is_available() and type(tpp._prefix_prefill_kernel).__name__ != "InterpretedFunction":
-    tpp = importlib.reload(tpp)
+tpp = interpreted(tpp, "_prefix_prefill_kernel")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
