@@ -2,19 +2,19 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, profile, host, nvtx; tests-all runs every gpu-marked test.
+# bench-sampling, gemv, profile, host, nvtx; tests-all runs every gpu-marked test.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling profile host nvtx}
+stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling gemv profile host nvtx}
 log() { echo "== $(date +%T) $*"; }
 
 for stage in $stages; do
   case $stage in
     tests)
       log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gpu_engine.py \
-        tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py \
+        tests/test_gpu_engine.py tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
       ;;
     tests-all)
       log "every gpu-marked test"
@@ -41,6 +41,10 @@ for stage in $stages; do
         --json "$OUT/bench_llama1b_temperature.json"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-p 0.9 \
         --json "$OUT/bench_llama1b_top_p.json"
+      ;;
+    gemv)
+      log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
+      python profiles/bench_gemv.py --json "$OUT/gemv.json"
       ;;
     profile)
       for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do

@@ -212,11 +212,17 @@ def test_rope_cache_write_fp8_gpu():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_engine_matches_unfused(dtype):
+def test_fused_engine_matches_unfused(dtype, monkeypatch):
     """Same greedy tokens and (nearly) the same logits from the fused and the unfused model, over
-    prompts of different lengths decoding together."""
+    prompts of different lengths decoding together, and over one prompt decoding alone (the one-row
+    GEMV layers of ``graphrt.kernels.gemv``)."""
     from graphrt import LLM, SamplingParams
+    from graphrt.kernels import gemv
     from hf_reference import graphrt_greedy_with_logits
+
+    gemv_calls = []
+    linear_gemv = gemv.linear_gemv
+    monkeypatch.setattr(gemv, "linear_gemv", lambda *a, **k: gemv_calls.append(1) or linear_gemv(*a, **k))
 
     prompts = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -229,6 +235,7 @@ def test_fused_engine_matches_unfused(dtype):
         outputs[fused] = [out.token_ids for out in llm.generate(prompts, params)]
         drawn[fused] = [out.token_ids for out in llm.generate(prompts, sampled)]
         logits[fused] = graphrt_greedy_with_logits(llm, prompts[2], max_tokens=4)[1]
+    assert gemv_calls, "the one-row decode never ran the GEMV layers"
     assert outputs[True] == outputs[False]
     assert drawn[True] == drawn[False]
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.05)

@@ -54,18 +54,22 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata))
+
+    def attend(self, positions, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, q + 2 kv] projections (q and k not yet rotated) -> attention output [T, q], before
+        the output projection. Stores this step's k and v in ``kv_cache``."""
         if self._rope_and_write_cache is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary(positions, q, k)
-            return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata))
+            return self.attn.forward(q, k, v, kv_cache, attn_metadata)
         # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
         self._rope_and_write_cache(
             qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
             self.num_heads, self.num_kv_heads, self.head_dim,
         )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True))
+        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True)
 
 
 class LlamaMLP(nn.Module):
@@ -97,6 +101,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
+        self._gemv = None
+        if fused_kernels:
+            from ..kernels import gemv
+
+            self._gemv = gemv
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
@@ -110,6 +119,30 @@ class LlamaDecoderLayer(nn.Module):
         attended = self.self_attn(positions, normed, kv_cache, attn_metadata)
         normed, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(normed), residual
+
+    def forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
+        """The same layer for a single token (decode at batch 1) on matrix-vector kernels, five plus
+        attention instead of nine: QKV with the input norm fused in, rotary + cache write, attention,
+        O adding into the residual stream, gate/up with the norm and SiLU * up, down adding into the
+        stream (``graphrt.kernels.gemv``; correct for any token count, fast for one).
+        Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
+        the stream, updated in place, carries everything."""
+        if residual is None:
+            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
+        elif hidden is not None:
+            residual = residual + hidden
+        attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
+        qkv = kernels.linear_gemv(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
+                                   norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+        attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
+        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
+                             out=residual)
+        activated = kernels.linear_gemv(
+            residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
+        )
+        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual)
+        return None, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,15 +196,26 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor | None],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
+
+        With fused kernels, a forward of at most ``gemv.MAX_ROWS`` tokens (decode at batch 1)
+        runs each layer's ``forward_gemv``; larger ones run cuBLAS GEMMs.
+        """
+        gemv = self.fused_kernels and input_ids.shape[0] <= self.layers[0]._gemv.MAX_ROWS
         hidden, residual = self.embed_tokens(input_ids), None
-        if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
+        if nvtx.layers_enabled():  # checked once per forward, so the plain loops below stay free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
-                    hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+                    run = layer.forward_gemv if gemv else layer
+                    hidden, residual = run(positions, hidden, residual, kv_cache, attn_metadata)
+        elif gemv:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer.forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        if hidden is None:  # the GEMV layers left everything in the residual stream
+            return self.norm(residual)
         normed, _ = self.norm(hidden, residual)
         return normed
 

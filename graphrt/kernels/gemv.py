@@ -1,0 +1,182 @@
+"""Matrix-vector products for decode at batch 1, with the layer's neighbours fused in.
+
+At batch 1 a decoder layer's GEMMs stream their weights once and do almost no arithmetic, so a
+layer's cost is bytes plus one latency per kernel. On the H200 cuBLAS reaches 1.3-1.9 TB/s on a 1B
+model's QKV and O matrices and 2.3 TB/s on its down projection (a GEMM plus a split-K reduce), and
+the norms and SiLU around them are kernels of their own. Here one program computes ``BLOCK_N``
+outputs of one row, streaming its ``BLOCK_N`` rows of W in long K slices (the products run on CUDA
+cores; nothing here needs tensor cores), and takes the neighbours along:
+
+* prologue ``NORM``: x is the residual stream, normalised first (RMSNorm with the layer's norm
+  weight): the row is KBs against MBs of weights, so each program recomputing the row's scale costs
+  little and saves the norm kernel;
+* epilogue ``SILU_MUL``: W is the fused gate/up weight ``[2 * I, K]``; a program computes gate
+  outputs ``n`` and up outputs ``I + n`` together and writes ``silu(gate) * up`` ``[M, I]``;
+* epilogue ``ADD_TO_OUT``: the result is added into ``out`` in place (the residual stream), which
+  saves the next norm's residual add.
+
+Rows are independent programs, so more rows re-read W (from L2 at best): measured on the H200
+(profiles/notes_fusion.md), one row beats cuBLAS on every decoder matrix of the 1B, 8B and 135M
+models, while at 16 rows a tensor-core variant only tied it; the model uses these kernels for one
+token (``MAX_ROWS``).
+
+Rounding follows the unfused ops (``graphrt.models.layers``): the normalised row and the product are
+rounded to the model dtype where the torch ops round them. The float32 sums run in another order than
+cuBLAS's, so results differ from ``torch.nn.functional.linear`` by a last-place rounding, as two GEMM
+libraries do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+#: Tokens up to which the model runs its layers on these kernels (see the module docstring).
+MAX_ROWS = 1
+
+EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch's tiling: outputs and reduction depth per program, warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] rows (with NORM: the residual stream, normalised here)
+    w_ptr,  # [N, K], or [2 * N, K] gate then up with SILU_MUL
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    out_ptr,  # [M, N]; with ADD_TO_OUT read and updated in place
+    stride_x,
+    stride_w,
+    stride_out,
+    eps,
+    N,
+    K,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
+    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols_n < N
+    k_offsets = tl.arange(0, BLOCK_K)
+
+    if NORM:
+        # 1 / rms of the row, recomputed by every program: the row comes from L2.
+        sum_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k + k_offsets, mask=k + k_offsets < K, other=0.0).to(tl.float32)
+            sum_squares += x * x
+        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=0) / K + eps)
+
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets[None, :]
+    for k in range(0, K, BLOCK_K):
+        k_cols = k + k_offsets
+        k_mask = k_cols < K
+        x = tl.load(x_row + k_cols, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM:
+            # weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded as rms_norm_torch rounds.
+            norm_w = tl.load(norm_w_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
+            x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        if EPILOGUE == 2:
+            up_w = tl.load(w_ptrs + N * stride_w + k, mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(up_w * x[None, :], axis=1)
+
+    result = acc
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
+    result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
+    out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
+    if EPILOGUE == 1:
+        result += tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    elif EPILOGUE == 2:
+        up = round_to(acc_up, dtype).to(tl.float32)
+        result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
+    tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
+
+
+def default_config(in_features: int) -> TileConfig:
+    """Measured on the H200 (profiles/bench_gemv.py sweep, one row): 8 outputs a program, K
+    slices of 1024, 8 warps came within 5 % of the best tile on every matrix (the loads are not
+    software-pipelined, so each slice must carry many bytes; few outputs a program keep enough
+    programs in flight for the smallest matrices)."""
+    return TileConfig(block_n=8, block_k=min(1024, max(16, triton.next_power_of_2(in_features))), num_warps=8)
+
+
+def linear_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    epilogue: int = EPILOGUE_STORE,
+    out: torch.Tensor | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """``linear(x, weight, bias)`` for a row or a few, optionally with RMSNorm before and SiLU * up or
+    a residual add after, in one kernel.
+
+    x: [M, K] (columns contiguous), model dtype (fp16/bf16/fp32); weight: [N_w, K] contiguous, same
+    dtype; bias: None or [N_w] (not with SILU_MUL); norm_weight: None, or [K]: x is normalised first,
+    ``norm_weight * x / rms(x)`` with ``eps``. epilogue:
+
+    * ``EPILOGUE_STORE``: returns ``out`` [M, N_w];
+    * ``EPILOGUE_SILU_MUL``: weight is gate then up ([2 * I, K]); returns ``silu(gate) * up`` [M, I];
+    * ``EPILOGUE_ADD_TO_OUT``: ``out`` ([M, N_w], required) += the linear output, in place.
+
+    Any M is correct; one row is what it is fast for. Nothing is allocated when ``out`` is given, and
+    the launch depends on shapes only: safe inside a CUDA graph.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
+    rows, in_features = x.shape
+    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
+                         f"{x.dtype} tensor")
+    out_features = weight.shape[0]
+    if epilogue == EPILOGUE_SILU_MUL:
+        if out_features % 2 or bias is not None:
+            raise ValueError("SiLU * up needs a bias-free [2 * I, K] gate/up weight")
+        out_features //= 2
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {out_features} output features")
+    if norm_weight is not None and norm_weight.shape != (in_features,):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {in_features} input features")
+    if out is None:
+        if epilogue == EPILOGUE_ADD_TO_OUT:
+            raise ValueError("the residual-add epilogue needs out, the tensor to add into")
+        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
+                         "contiguous columns")
+    if rows == 0:
+        return out
+    config = config or default_config(in_features)
+    _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
+        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
+        x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
+        NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+    )
+    return out

@@ -1,0 +1,200 @@
+"""Batch-1 linear layers: graphrt's GEMV kernels (with their fused neighbours) against cuBLAS.
+
+For the decoder matrices of Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), one run measures:
+
+1. per layer, at one row, what the fused decode path ran before (add+RMSNorm kernel, cuBLAS QKV;
+   cuBLAS O; add+RMSNorm, cuBLAS gate/up, SiLU*up kernel; cuBLAS down) against the GEMV kernels
+   that take those neighbours in (QKV with the norm; O adding into the residual; gate/up with the
+   norm and SiLU*up; down adding into the residual), and the LM head with the final norm;
+2. a tile sweep of the plain GEMV on eight of the matrices, against ``F.linear``.
+
+Every timing is a CUDA-graph replay of the op over enough weight copies (>= 256 MB) that the weights
+stream from HBM as in a real step, so a time includes each kernel's in-graph latency. Medians of 20
+replays; the HBM read bandwidth of the same run is recorded beside.
+
+    python profiles/bench_gemv.py --json profiles/results/gemv_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from graphrt.kernels import gemv as sg
+from graphrt.kernels.activation import silu_and_mul
+from graphrt.kernels.rms_norm import rms_norm
+
+DTYPE = torch.bfloat16
+#: (hidden, q + 2 kv width, intermediate, vocabulary) of each model.
+MODELS = {
+    "llama-3.2-1b": (2048, 3072, 8192, 128256),
+    "llama-3-8b": (4096, 6144, 14336, 128256),
+    "smollm2-135m": (576, 960, 1536, 49152),
+}
+MIN_BYTES = 256 << 20
+#: Tiles tried (one row: products on CUDA cores, any number of outputs a program).
+SWEEP = {1: [sg.TileConfig(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
+             if bn * bk <= 32768]}
+#: The matrices the sweep covers: (model, name).
+SWEEP_MATRICES = [("llama-3.2-1b", "qkv"), ("llama-3.2-1b", "o"), ("llama-3.2-1b", "gate_up"), ("llama-3.2-1b", "down"),
+                  ("llama-3-8b", "gate_up"), ("llama-3-8b", "o"), ("smollm2-135m", "qkv"), ("smollm2-135m", "gate_up")]
+
+
+def time_graph(ops, replays: int = 20) -> float:
+    """Median ms of one call of each op in ``ops`` (a list of thunks), all captured in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for op in ops[:2]:
+            op()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in ops:
+            op()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(ops))
+    del graph
+    return statistics.median(times)
+
+
+def weights(rows: int, cols: int, extra_bytes: int = 0) -> list[torch.Tensor]:
+    """Copies of a random [rows, cols] weight, enough that a pass over them reads >= MIN_BYTES."""
+    per = rows * cols * 2 + extra_bytes
+    count = max(1, -(-MIN_BYTES // per))
+    return [torch.randn(rows, cols, device="cuda", dtype=DTYPE) / cols**0.5 for _ in range(count)]
+
+
+def hbm_bandwidth() -> float:
+    x = torch.randn(1 << 30, device="cuda")
+    ms = time_graph([lambda: x.sum()] * 4)
+    del x
+    return 4 * (1 << 30) / ms / 1e9
+
+
+def sweep(results: dict) -> None:
+    for model, name in SWEEP_MATRICES:
+        hidden, qkv, inter, _ = MODELS[model]
+        n, k = {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}[name]
+        ws = weights(n, k)
+        for rows, configs in SWEEP.items():
+            x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+            out = torch.empty(rows, n, device="cuda", dtype=DTYPE)
+            row = {"model": model, "matrix": name, "n": n, "k": k, "rows": rows, "bytes": n * k * 2,
+                   "cublas_us": 1e3 * time_graph([lambda w=w: F.linear(x, w) for w in ws]), "configs": {}}
+            for cfg in configs:
+                label = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
+                try:
+                    row["configs"][label] = 1e3 * time_graph(
+                        [lambda w=w, c=cfg: sg.linear_gemv(x, w, out=out, config=c) for w in ws])
+                except Exception as error:  # out of shared memory / registers for that tile
+                    row["configs"][label] = repr(error)[:80]
+            timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
+            best = min(timed, key=timed.get)
+            row["best"], row["best_us"] = best, timed[best]
+            top = sorted(timed, key=timed.get)[:4]
+            print(f"{model:13} {name:8} rows {rows:2}  cuBLAS {row['cublas_us']:7.2f} us ({n * k * 2 / row['cublas_us'] / 1e6:4.2f}"
+                  f" TB/s)  best: " + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
+            results["sweep"].append(row)
+        del ws
+        torch.cuda.empty_cache()
+
+
+def layer(results: dict, rows_list) -> None:
+    eps = 1e-5
+    for model, (hidden, qkv, inter, vocab) in MODELS.items():
+        w_qkv, w_o, w_gu, w_down = (weights(n, k) for n, k in ((qkv, hidden), (hidden, hidden),
+                                                                 (2 * inter, hidden), (hidden, inter)))
+        layers = min(len(w_qkv), len(w_o), len(w_gu), len(w_down))
+        norm_w = torch.randn(hidden, device="cuda", dtype=DTYPE)
+        for rows in rows_list:
+            residual = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+            hidden_in = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+            attn = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+            act = torch.empty(rows, inter, device="cuda", dtype=DTYPE)
+            qkv_out = torch.empty(rows, qkv, device="cuda", dtype=DTYPE)
+            normed = torch.empty(rows, hidden, device="cuda", dtype=DTYPE)
+            res_copy = residual.clone()
+
+            def today(i):
+                def run():
+                    rms_norm(hidden_in, norm_w, eps, res_copy, out=normed)
+                    torch.mm(normed, w_qkv[i].t(), out=qkv_out)
+                    o = F.linear(attn, w_o[i])
+                    rms_norm(o, norm_w, eps, res_copy, out=normed)
+                    silu_and_mul(F.linear(normed, w_gu[i]), out=act)
+                    F.linear(act, w_down[i])
+                return run
+
+            def gemv(i):
+                def run():
+                    sg.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
+                    sg.linear_gemv(attn, w_o[i], epilogue=sg.EPILOGUE_ADD_TO_OUT, out=residual)
+                    sg.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps, epilogue=sg.EPILOGUE_SILU_MUL,
+                                     out=act)
+                    sg.linear_gemv(act, w_down[i], epilogue=sg.EPILOGUE_ADD_TO_OUT, out=residual)
+                return run
+
+            per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
+            row = {"model": model, "rows": rows, "layer_weight_bytes": per_layer_bytes,
+                   "today_us": 1e3 * time_graph([today(i) for i in range(layers)]),
+                   "gemv_us": 1e3 * time_graph([gemv(i) for i in range(layers)])}
+            row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
+            print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"
+                  f"  floor {row['floor_us']:6.2f} us", flush=True)
+            results["layer"].append(row)
+        del w_qkv, w_o, w_gu, w_down
+        torch.cuda.empty_cache()
+        # The LM head with the final norm, today (norm kernel + cuBLAS) against the GEMV (norm prologue).
+        heads = weights(vocab, hidden) * 2  # at least two passes, so no head is read from L2 twice in a row
+        for rows in rows_list:
+            residual = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+            logits = torch.empty(rows, vocab, device="cuda", dtype=DTYPE)
+            normed = torch.empty(rows, hidden, device="cuda", dtype=DTYPE)
+            row = {"model": model, "rows": rows, "matrix": "lm_head",
+                   "today_us": 1e3 * time_graph([lambda h=h: torch.mm(rms_norm(residual, norm_w, eps, out=normed), h.t(),
+                                                                      out=logits) for h in heads]),
+                   "gemv_us": 1e3 * time_graph([lambda h=h: sg.linear_gemv(residual, h, norm_weight=norm_w, eps=eps,
+                                                                               out=logits) for h in heads]),
+                   "floor_us": vocab * hidden * 2 / results["hbm_tb_per_s"] / 1e6}
+            print(f"{model:13} lm_head rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"
+                  f"  floor {row['floor_us']:6.2f} us", flush=True)
+            results["lm_head"].append(row)
+        del heads
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--sweep-only", action="store_true", help="only the tile sweep")
+    parser.add_argument("--rows", default="1", help="row counts of the layer comparison")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_tb_per_s": hbm_bandwidth(),
+               "sweep": [], "layer": [], "lm_head": []}
+    print(f"HBM read bandwidth {results['hbm_tb_per_s']:.2f} TB/s", flush=True)
+    if not args.sweep_only:
+        layer(results, [int(r) for r in args.rows.split(",")])
+    if not args.no_sweep:
+        sweep(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

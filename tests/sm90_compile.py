@@ -1,0 +1,56 @@
+"""Compile Triton kernels for the H200 (sm_90) on a machine without a GPU.
+
+The CPU interpreter runs kernels but does not check them as the GPU compiler does (branches returning
+different shapes, shared memory beyond the device's limit pass there and fail on the device), so the
+CPU suite also compiles the kernels' launch specialisations with Triton's compiler and the ``ptxas``
+its wheel ships. That must happen in a process where Triton was imported without
+``TRITON_INTERPRET`` (Triton's own ``tl.sum`` & co. are decorated at import), hence a subprocess:
+``compile_for_sm90(cases)`` runs this file, which reads the cases as JSON on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+#: Shared memory one H200 thread block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+H200_SHARED_MEMORY = 232448
+
+
+def compile_for_sm90(cases: list[dict]) -> list[dict]:
+    """Compile each case for sm_90 in one fresh process.
+
+    A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
+    Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
+    ``num_stages``. Returns, per case, ``{"shared": bytes}`` or ``{"error": text}``.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
+                          env=env, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"the sm_90 compile process failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compile(case: dict) -> dict:
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    kernel = getattr(importlib.import_module(case["module"]), case["kernel"])
+    signature = {**case["signature"], **{name: "constexpr" for name in case["constexprs"]}}
+    try:
+        compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=case["constexprs"]),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
+    except Exception as error:  # reported per case; the test names the case
+        return {"error": f"{type(error).__name__}: {error}"[-3000:]}
+    return {"shared": compiled.metadata.shared}
+
+
+if __name__ == "__main__":
+    print(json.dumps([_compile(case) for case in json.loads(sys.stdin.read())]))

@@ -1,0 +1,155 @@
+"""The matrix-vector kernel (graphrt.kernels.gemv) against a float64 torch reference.
+
+The reference runs the unfused ops' arithmetic: the norm as ``rms_norm_torch`` (rounded to the model
+dtype), then the product in float64, rounded to the model dtype where ``F.linear`` rounds, then SiLU * up
+or the residual add as the torch ops round them. The kernel sums in float32, so a result may sit one
+rounding of the model dtype away. Fresh random inputs; outputs poisoned with NaN before the kernel
+writes them. Small shapes on the CPU under Triton's interpreter, the models' shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from graphrt.kernels import gemv  # noqa: E402
+from graphrt.models.layers import rms_norm_torch, silu_and_mul_torch  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
+
+gemv = interpreted(gemv, "_gemv_kernel")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+EPS = 1e-5
+VARIANTS = ["plain", "bias", "norm", "norm_silu", "add"]
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+#: One rounding of each dtype, relative (float32: the float32 sums against float64's, over K <= 8192).
+UNIT = {torch.float32: 2**-17, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
+def reference(variant, x, weight, bias, norm_weight, residual):
+    """The unfused layer arithmetic with the GEMM in float64, rounded once to the model dtype.
+    Returns (expected output, the rounded GEMM result)."""
+    dtype = x.dtype
+    if variant.startswith("norm"):
+        x = rms_norm_torch(x, norm_weight, EPS)
+    product = x.double() @ weight.double().T
+    if bias is not None:
+        product += bias.double()
+    product = product.to(dtype)
+    if variant == "norm_silu":
+        return silu_and_mul_torch(product), product
+    return (residual + product if variant == "add" else product), product
+
+
+def allowed_error(variant, expected, product, dtype):
+    """Per element: the GEMM result may sit a rounding or two away (float32 sums in another order, then
+    the rounding to the model dtype), and that error carries through the epilogue: unchanged into a
+    residual sum (however much the sum cancels), amplified by ``1 + |gate|`` through SiLU."""
+    unit = UNIT[dtype]
+    # Near zero the float32 sums' own error (relative to the terms, not to the result) is what is left.
+    floor = (unit if dtype == torch.float32 else 2**-20) * product.double().abs().max() + 1e-6
+    if variant == "norm_silu":
+        gate = product[:, : product.shape[1] // 2].double()
+        return 2 * unit * expected.double().abs() * (3 + gate.abs()) + floor
+    return 2 * unit * (expected.double().abs() + product.double().abs()) + floor
+
+
+def check(variant, rows, out_features, in_features, dtype, seed=0):
+    out_width = out_features // 2 if variant == "norm_silu" else out_features
+    x = _randn(rows, in_features, dtype=dtype, seed=seed, scale=2.0)
+    weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
+    bias = _randn(out_features, dtype=dtype, seed=seed + 2) if variant == "bias" else None
+    norm_weight = _randn(in_features, dtype=dtype, seed=seed + 3) if variant.startswith("norm") else None
+    residual = _randn(rows, out_width, dtype=dtype, seed=seed + 4) if variant == "add" else None
+    expected, product = reference(variant, x, weight, bias, norm_weight, residual)
+    out = residual.clone() if variant == "add" else torch.full((rows, out_width), float("nan"), dtype=dtype,
+                                                               device=DEVICE)
+    epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(
+        variant, gemv.EPILOGUE_STORE)
+    got = gemv.linear_gemv(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert not got.isnan().any(), "an output element was never written"
+    excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, dtype)
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} elements off; worst at "
+                               f"{divmod(worst, excess.shape[1])}: {got.flatten()[worst].item()} vs "
+                               f"{expected.flatten()[worst].item()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 48, 80), (1, 20, 1100), (3, 40, 96), (2, 64, 300)])
+def test_linear_gemv_matches_reference(variant, rows, out_features, in_features, dtype):
+    check(variant, rows, out_features, in_features, dtype, seed=rows + in_features)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("out_features,in_features", [
+    (3072, 2048), (2048, 8192), (16384, 2048),  # Llama-3.2-1B QKV, down, gate/up
+    (6144, 4096), (960, 576), (3072, 576), (1000, 1100),  # Llama-3-8B QKV, SmolLM2 QKV, gate/up; odd sizes
+])
+def test_linear_gemv_grid_gpu(variant, rows, out_features, in_features, dtype):
+    check(variant, rows, out_features, in_features, dtype, seed=rows * out_features + in_features)
+
+
+def test_linear_gemv_rejects_bad_shapes():
+    x = _randn(2, 64, dtype=torch.float32, seed=0)
+    weight = _randn(32, 64, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="weight"):
+        gemv.linear_gemv(x, weight[:, :48].contiguous())
+    with pytest.raises(ValueError, match="needs out"):
+        gemv.linear_gemv(x, weight, epilogue=gemv.EPILOGUE_ADD_TO_OUT)
+    with pytest.raises(ValueError, match="gate/up"):
+        gemv.linear_gemv(x, weight[:31].contiguous(), epilogue=gemv.EPILOGUE_SILU_MUL)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv.linear_gemv(x, weight, norm_weight=x[0, :32].contiguous())
+    with pytest.raises(ValueError, match="out"):
+        gemv.linear_gemv(x, weight, out=torch.empty(2, 31, device=DEVICE))
+
+
+# -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
+
+
+def _sm90_cases():
+    """Every launch specialisation linear_gemv makes, bf16 and fp32, at the largest K slice."""
+    cases = []
+    for dtype, variant in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"]):
+        config = gemv.default_config(8192)
+        pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
+        integers = {name: "i32" for name in ("stride_x", "stride_w", "stride_out", "N", "K")}
+        constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE={"norm_silu": 2, "add": 1}.get(variant, 0),
+                          HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+        cases.append(dict(name=f"{variant}-{dtype}", module="graphrt.kernels.gemv", kernel="_gemv_kernel",
+                          signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
+                          num_warps=config.num_warps, num_stages=1))
+    return cases
+
+
+def test_gemv_kernel_compiles_for_sm90():
+    """Every launch specialisation compiles for the H200 and fits its shared memory (the interpreter
+    checks neither)."""
+    from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
+
+    cases = _sm90_cases()
+    results = compile_for_sm90(cases)
+    problems = {case["name"]: result for case, result in zip(cases, results)
+                if "error" in result or result["shared"] > H200_SHARED_MEMORY}
+    assert not problems, problems
