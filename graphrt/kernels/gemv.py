@@ -16,9 +16,9 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
   saves the next norm's residual add.
 
 Rows are independent programs, so more rows re-read W (from L2 at best): measured on the H200
-(profiles/notes_fusion.md), one row beats cuBLAS on every decoder matrix of the 1B, 8B and 135M
-models, while at 16 rows a tensor-core variant only tied it; the model uses these kernels for one
-token (``MAX_ROWS``).
+(profiles/notes_fusion.md), one row runs the small and mid-sized decoder matrices of the 1B, 8B and
+135M models faster than cuBLAS, while at 16 rows a tensor-core variant only tied it; the model uses
+these kernels for one token (``MAX_ROWS``) and layers up to ``MAX_LAYER_BYTES``.
 
 Rounding follows the unfused ops (``graphrt.models.layers``): the normalised row and the product are
 rounded to the model dtype where the torch ops round them. The float32 sums run in another order than
@@ -38,6 +38,13 @@ from .rounding import round_to
 
 #: Tokens up to which the model runs its layers on these kernels (see the module docstring).
 MAX_ROWS = 1
+
+#: Largest decoder layer (weight bytes) the model runs on these kernels. Measured side by side on the
+#: H200 (profiles/results/gemv_layers_h200.json, one token, a layer's four linear layers with their
+#: norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against 21.7 us, 122 MB (Llama-3.2-1B) 45.7
+#: against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us: the fused neighbours save a fixed
+#: few microseconds, while cuBLAS streams the largest matrices a little faster.
+MAX_LAYER_BYTES = 256 << 20
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
@@ -74,19 +81,23 @@ def _gemv_kernel(
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
-    k_offsets = tl.arange(0, BLOCK_K)
+    # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
+    # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
+    k_offsets = tl.arange(0, BLOCK_K)[None, :]
 
     if NORM:
         # 1 / rms of the row, recomputed by every program: the row comes from L2.
-        sum_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_row + k + k_offsets, mask=k + k_offsets < K, other=0.0).to(tl.float32)
             sum_squares += x * x
-        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=0) / K + eps)
+        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
 
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets[None, :]
+    # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
+    # would synchronise the warps every slice.
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets
     for k in range(0, K, BLOCK_K):
         k_cols = k + k_offsets
         k_mask = k_cols < K
@@ -95,14 +106,14 @@ def _gemv_kernel(
             # weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded as rms_norm_torch rounds.
             norm_w = tl.load(norm_w_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
             x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
+        w_mask = n_mask[:, None] & k_mask
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        acc += w * x
         if EPILOGUE == 2:
             up_w = tl.load(w_ptrs + N * stride_w + k, mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(up_w * x[None, :], axis=1)
+            acc_up += up_w * x
 
-    result = acc
+    result = tl.sum(acc, axis=1)
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
@@ -110,7 +121,7 @@ def _gemv_kernel(
     if EPILOGUE == 1:
         result += tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     elif EPILOGUE == 2:
-        up = round_to(acc_up, dtype).to(tl.float32)
+        up = round_to(tl.sum(acc_up, axis=1), dtype).to(tl.float32)
         result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
     tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
 

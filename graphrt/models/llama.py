@@ -179,6 +179,17 @@ class LlamaForCausalLM(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=fused_kernels)
+        #: Forwards of at most this many tokens run the layers' ``forward_gemv``: ``gemv.MAX_ROWS`` with
+        #: fused kernels and layers small enough that the GEMV kernels beat cuBLAS (see
+        #: ``graphrt.kernels.gemv.MAX_LAYER_BYTES``), else 0.
+        self.gemv_max_tokens = 0
+        if fused_kernels and len(self.layers):
+            from ..kernels import gemv
+
+            layer = self.layers[0]
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if sum(linear.weight.nbytes for linear in linears) <= gemv.MAX_LAYER_BYTES:
+                self.gemv_max_tokens = gemv.MAX_ROWS
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -198,10 +209,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
 
-        With fused kernels, a forward of at most ``gemv.MAX_ROWS`` tokens (decode at batch 1)
-        runs each layer's ``forward_gemv``; larger ones run cuBLAS GEMMs.
+        A forward of at most ``gemv_max_tokens`` tokens (decode at batch 1 with fused kernels) runs
+        each layer's ``forward_gemv``; others run cuBLAS GEMMs.
         """
-        gemv = self.fused_kernels and input_ids.shape[0] <= self.layers[0]._gemv.MAX_ROWS
+        gemv = 0 < input_ids.shape[0] <= self.gemv_max_tokens
         hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loops below stay free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
