@@ -2,12 +2,15 @@
 
 At decode batch sizes every separate kernel costs a few microseconds of latency even inside a CUDA
 graph, so the layer's norms, residual adds and activation run as one kernel each instead of five to
-eight (profiles/notes_fusion.md has the measurements). The rotary embedding fused with the KV-cache
-write lives with the cache kernels, in ``graphrt.attention.triton_rope_cache_write``.
+eight (profiles/notes_fusion.md has the measurements). At batch 1, ``gemv`` goes further: the linear
+layers themselves run as matrix-vector kernels with the norm, SiLU * up and residual add fused in.
+The rotary embedding fused with the KV-cache write lives with the cache kernels, in
+``graphrt.attention.triton_rope_cache_write``.
 
 Each fused kernel rounds to the model dtype exactly where the unfused torch code does (every torch
 op on bf16 tensors computes in float32 and rounds its result), so in bf16 the two paths agree bit for
-bit except where a float32 reduction sums in another order (the norm: its last bit). In float32 the GPU
+bit except where a float32 reduction sums in another order (the norm: its last bit; the GEMV's
+products, as any two GEMM libraries differ). In float32 the GPU
 may contract a product and a sum into one FMA; in float16 Triton may fold a rounding round trip. The
 temperature sampler draws from the same noise as ``graphrt.sampler`` and differs only at float32
 near-ties.

@@ -5,8 +5,10 @@ then decodes) and its own paged KV cache, so one forward serves any mix of prefi
 
 ``fused_kernels=True`` swaps the layer's elementwise work for Triton kernels (``graphrt.kernels`` and
 ``graphrt.attention.triton_rope_cache_write``): residual add + RMSNorm, rotary embedding + KV-cache
-write, SiLU * up, one launch each. ``False`` keeps the unfused torch ops as the reference to compare
-against; the two round alike (``graphrt.kernels`` says where they can still differ).
+write, SiLU * up, one launch each; a one-token forward of a model with small enough layers runs each
+layer on matrix-vector kernels that fuse those in (``LlamaDecoderLayer.forward_gemv``). ``False``
+keeps the unfused torch ops as the reference to compare against; the two round alike
+(``graphrt.kernels`` says where they can still differ).
 """
 
 from __future__ import annotations
