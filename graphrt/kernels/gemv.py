@@ -109,7 +109,7 @@ def _gemv_kernel(
         w_mask = n_mask[:, None] & k_mask
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * x
-        if EPILOGUE == 2:
+        if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too
             up_w = tl.load(w_ptrs + N * stride_w + k, mask=w_mask, other=0.0).to(tl.float32)
             acc_up += up_w * x
 
@@ -118,9 +118,9 @@ def _gemv_kernel(
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
     out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
-    if EPILOGUE == 1:
+    if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
         result += tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    elif EPILOGUE == 2:
+    elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
         up = round_to(tl.sum(acc_up, axis=1), dtype).to(tl.float32)
         result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
     tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
