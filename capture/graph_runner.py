@@ -124,13 +124,14 @@ class DecodeGraphRunner:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 # Warm-up also proves the step never syncs with the host: a sync raises here,
-                # naming the operation, instead of invalidating the capture later.
+                # naming the operation, instead of invalidating the capture later. Every bucket runs
+                # once: sizes take different kernels (batch 1's GEMV layers, attention split counts),
+                # and a Triton kernel's first launch loads its module, which CUDA refuses mid-capture.
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.cuda.stream(side):
-                        for size, mode in keys[:len(SAMPLING_MODES)]:  # largest bucket, every mode
-                            for _ in range(2):
-                                self._forward(size, mode)
+                        for size, mode in keys[:len(SAMPLING_MODES)] + keys:  # the largest bucket twice
+                            self._forward(size, mode)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)

@@ -34,7 +34,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--unfused", dest="fused_kernels", action="store_const", const=False, default=None,
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
-                        "kernels (the reference path, to compare; the default is fused on CUDA, unfused on CPU)")
+                        "kernels, and batch 1 on cuBLAS instead of the fused matrix-vector kernels (the "
+                        "reference path, to compare; the default is fused on CUDA, unfused on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

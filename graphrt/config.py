@@ -213,8 +213,9 @@ class EngineConfig:
     #: Attention backend by name; None = the best usable one for the device.
     attention_backend: str | None = None
     #: Fused Triton kernels for the layers' elementwise work (add + RMSNorm, rotary + KV-cache write,
-    #: SiLU * up); False = the unfused torch ops, kept to compare against. None = fused on CUDA (on CPU
-    #: Triton only runs in its slow interpreter).
+    #: SiLU * up), and at batch 1 matrix-vector linear layers with those fused in (models with layers up
+    #: to ``graphrt.kernels.gemv.MAX_LAYER_BYTES``); False = the unfused torch ops, kept to compare
+    #: against. None = fused on CUDA (on CPU Triton only runs in its slow interpreter).
     fused_kernels: bool | None = None
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0

@@ -25,7 +25,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from graphrt.kernels import gemv as sg
+from graphrt.kernels import gemv as gemv_kernels
 from graphrt.kernels.activation import silu_and_mul
 from graphrt.kernels.rms_norm import rms_norm
 
@@ -38,7 +38,7 @@ MODELS = {
 }
 MIN_BYTES = 256 << 20
 #: Tiles tried (one row: products on CUDA cores, any number of outputs a program).
-SWEEP = {1: [sg.TileConfig(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
+SWEEP = {1: [gemv_kernels.TileConfig(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
              if bn * bk <= 32768]}
 #: The matrices the sweep covers: (model, name).
 SWEEP_MATRICES = [("llama-3.2-1b", "qkv"), ("llama-3.2-1b", "o"), ("llama-3.2-1b", "gate_up"), ("llama-3.2-1b", "down"),
@@ -71,9 +71,9 @@ def time_graph(ops, replays: int = 20) -> float:
     return statistics.median(times)
 
 
-def weights(rows: int, cols: int, extra_bytes: int = 0) -> list[torch.Tensor]:
+def weights(rows: int, cols: int) -> list[torch.Tensor]:
     """Copies of a random [rows, cols] weight, enough that a pass over them reads >= MIN_BYTES."""
-    per = rows * cols * 2 + extra_bytes
+    per = rows * cols * 2
     count = max(1, -(-MIN_BYTES // per))
     return [torch.randn(rows, cols, device="cuda", dtype=DTYPE) / cols**0.5 for _ in range(count)]
 
@@ -99,7 +99,7 @@ def sweep(results: dict) -> None:
                 label = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
                 try:
                     row["configs"][label] = 1e3 * time_graph(
-                        [lambda w=w, c=cfg: sg.linear_gemv(x, w, out=out, config=c) for w in ws])
+                        [lambda w=w, c=cfg: gemv_kernels.linear_gemv(x, w, out=out, config=c) for w in ws])
                 except Exception as error:  # out of shared memory / registers for that tile
                     row["configs"][label] = repr(error)[:80]
             timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
@@ -141,11 +141,11 @@ def layer(results: dict, rows_list) -> None:
 
             def gemv(i):
                 def run():
-                    sg.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
-                    sg.linear_gemv(attn, w_o[i], epilogue=sg.EPILOGUE_ADD_TO_OUT, out=residual)
-                    sg.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps, epilogue=sg.EPILOGUE_SILU_MUL,
+                    gemv_kernels.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
+                    gemv_kernels.linear_gemv(attn, w_o[i], epilogue=gemv_kernels.EPILOGUE_ADD_TO_OUT, out=residual)
+                    gemv_kernels.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps, epilogue=gemv_kernels.EPILOGUE_SILU_MUL,
                                      out=act)
-                    sg.linear_gemv(act, w_down[i], epilogue=sg.EPILOGUE_ADD_TO_OUT, out=residual)
+                    gemv_kernels.linear_gemv(act, w_down[i], epilogue=gemv_kernels.EPILOGUE_ADD_TO_OUT, out=residual)
                 return run
 
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
@@ -167,7 +167,7 @@ def layer(results: dict, rows_list) -> None:
             row = {"model": model, "rows": rows, "matrix": "lm_head",
                    "today_us": 1e3 * time_graph([lambda h=h: torch.mm(rms_norm(residual, norm_w, eps, out=normed), h.t(),
                                                                       out=logits) for h in heads]),
-                   "gemv_us": 1e3 * time_graph([lambda h=h: sg.linear_gemv(residual, h, norm_weight=norm_w, eps=eps,
+                   "gemv_us": 1e3 * time_graph([lambda h=h: gemv_kernels.linear_gemv(residual, h, norm_weight=norm_w, eps=eps,
                                                                                out=logits) for h in heads]),
                    "floor_us": vocab * hidden * 2 / results["hbm_tb_per_s"] / 1e6}
             print(f"{model:13} lm_head rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"

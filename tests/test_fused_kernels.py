@@ -220,9 +220,9 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
     from graphrt.kernels import gemv
     from hf_reference import graphrt_greedy_with_logits
 
-    gemv_calls = []
+    gemv_rows = []  # the token count of every GEMV call
     linear_gemv = gemv.linear_gemv
-    monkeypatch.setattr(gemv, "linear_gemv", lambda *a, **k: gemv_calls.append(1) or linear_gemv(*a, **k))
+    monkeypatch.setattr(gemv, "linear_gemv", lambda x, *a, **k: gemv_rows.append(x.shape[0]) or linear_gemv(x, *a, **k))
 
     prompts = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -235,7 +235,8 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
         outputs[fused] = [out.token_ids for out in llm.generate(prompts, params)]
         drawn[fused] = [out.token_ids for out in llm.generate(prompts, sampled)]
         logits[fused] = graphrt_greedy_with_logits(llm, prompts[2], max_tokens=4)[1]
-    assert gemv_calls, "the one-row decode never ran the GEMV layers"
+    assert gemv_rows, "the one-row decode never ran the GEMV layers"
+    assert set(gemv_rows) == {1}, "a forward of several tokens ran the GEMV layers"
     assert outputs[True] == outputs[False]
     assert drawn[True] == drawn[False]
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.05)

@@ -42,37 +42,39 @@ UNIT = {torch.float32: 2**-17, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
 def reference(variant, x, weight, bias, norm_weight, residual):
     """The unfused layer arithmetic with the GEMM in float64, rounded once to the model dtype.
-    Returns (expected output, the rounded GEMM result, sum of |terms| of each product [M, N_w])."""
+    Returns (expected output, the rounded GEMM result, the largest |x_k * w_nk| of each product
+    [M, N_w])."""
     dtype = x.dtype
     if variant.startswith("norm"):
         x = rms_norm_torch(x, norm_weight, EPS)
     product = x.double() @ weight.double().T
-    term_sizes = x.double().abs() @ weight.double().abs().T
+    largest_term = x.double().abs().amax(dim=1, keepdim=True) * weight.double().abs().amax(dim=1)[None, :]
     if bias is not None:
         product += bias.double()
     product = product.to(dtype)
     if variant == "norm_silu":
-        return silu_and_mul_torch(product), product, term_sizes
-    return (residual + product if variant == "add" else product), product, term_sizes
+        return silu_and_mul_torch(product), product, largest_term
+    return (residual + product if variant == "add" else product), product, largest_term
 
 
-def allowed_error(variant, expected, product, term_sizes, dtype):
+def allowed_error(variant, expected, product, largest_term, in_features, dtype):
     """Per element: the GEMM result may sit a rounding or two away (float32 sums in another order, then
     the rounding to the model dtype), and that error carries through the epilogue: unchanged into a
     residual sum (however much the sum cancels), amplified by ``1 + |gate|`` through SiLU. With the
-    norm, each normalised input may itself be a rounding away (its 1/rms sums in another order), an
-    error of up to a rounding of every term of the product."""
+    norm, 1/rms summed in another order can move a few normalised inputs by one rounding each
+    (measured on the H200: ~2 of 8192 in fp16), each changing the product by up to a rounding of its
+    largest term; allowed: 4 + K / 1024 of them."""
     unit = UNIT[dtype]
     # Near zero the float32 sums' own error (relative to the terms, not to the result) is what is left.
     floor = (unit if dtype == torch.float32 else 2**-20) * product.double().abs().max() + 1e-6
+    flipped = unit * (4 + in_features // 1024) * largest_term
     if variant == "norm_silu":  # through silu(gate) * up: |silu'| <= 1.1
         half = product.shape[1] // 2
         gate, up = product[:, :half].double(), product[:, half:].double()
-        floor = floor + unit * (1.1 * term_sizes[:, :half] * up.abs()
-                                + term_sizes[:, half:] * torch.nn.functional.silu(gate).abs())
+        floor = floor + 1.1 * flipped[:, :half] * up.abs() + flipped[:, half:] * torch.nn.functional.silu(gate).abs()
         return 2 * unit * expected.double().abs() * (3 + gate.abs()) + floor
     if variant == "norm":
-        floor = floor + unit * term_sizes
+        floor = floor + flipped
     return 2 * unit * (expected.double().abs() + product.double().abs()) + floor
 
 
@@ -83,7 +85,7 @@ def check(variant, rows, out_features, in_features, dtype, seed=0):
     bias = _randn(out_features, dtype=dtype, seed=seed + 2) if variant == "bias" else None
     norm_weight = _randn(in_features, dtype=dtype, seed=seed + 3) if variant.startswith("norm") else None
     residual = _randn(rows, out_width, dtype=dtype, seed=seed + 4) if variant == "add" else None
-    expected, product, term_sizes = reference(variant, x, weight, bias, norm_weight, residual)
+    expected, product, largest_term = reference(variant, x, weight, bias, norm_weight, residual)
     out = residual.clone() if variant == "add" else torch.full((rows, out_width), float("nan"), dtype=dtype,
                                                                device=DEVICE)
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(
@@ -91,7 +93,7 @@ def check(variant, rows, out_features, in_features, dtype, seed=0):
     got = gemv.linear_gemv(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
-    excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, term_sizes, dtype)
+    excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, largest_term, in_features, dtype)
     worst = int(excess.argmax())
     assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} elements off; worst at "
                                f"{divmod(worst, excess.shape[1])}: {got.flatten()[worst].item()} vs "
@@ -131,6 +133,12 @@ def test_linear_gemv_rejects_bad_shapes():
         gemv.linear_gemv(x, weight, norm_weight=x[0, :32].contiguous())
     with pytest.raises(ValueError, match="out"):
         gemv.linear_gemv(x, weight, out=torch.empty(2, 31, device=DEVICE))
+    with pytest.raises(ValueError, match="share memory"):
+        gemv.linear_gemv(x, torch.eye(64, device=DEVICE), epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=x)
+    with pytest.raises(ValueError, match="epilogue"):
+        gemv.linear_gemv(x, weight, epilogue=7)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        gemv.linear_gemv(x, weight, torch.zeros(64, device=DEVICE)[::2])
 
 
 # -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
@@ -147,7 +155,7 @@ def _sm90_cases():
                           HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k)
         cases.append(dict(name=f"{variant}-{dtype}", module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                           signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
-                          num_warps=config.num_warps, num_stages=1))
+                          num_warps=config.num_warps, num_stages=3))  # Triton's default, as launched
     return cases
 
 

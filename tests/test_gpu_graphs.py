@@ -138,3 +138,26 @@ def test_engine_with_graphs_equals_enforce_eager_as_requests_come_and_go():
     eager_out, _ = run(True)
     assert graph_stats.replays_per_bucket and not graph_stats.eager_steps
     assert graph_out == eager_out
+
+
+def test_a_fresh_process_captures_every_bucket():
+    """In a new process nothing has launched the kernels yet: each bucket's first forward (batch 1's
+    GEMV layers, another attention split count) must run in the warm-up, because a Triton kernel's
+    first launch loads its module, which CUDA refuses inside a capture; a failure there would leave
+    the engine decoding eagerly with one warning."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json; from graphrt import LLM; "
+        "llm = LLM(model='random:llama-3.2-1b', device='cuda', dtype='bfloat16', progress=False, "
+        "max_num_seqs=16, max_model_len=512, num_kv_blocks=512); "
+        "runner = llm.engine.decode_runner; "
+        "print(json.dumps({'stats': runner.stats.as_dict(), 'sizes': list(runner.capture_sizes)}))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["stats"]["capture_error"] is None
+    assert result["stats"]["num_graphs"] == len(SAMPLING_MODES) * len(result["sizes"])

@@ -18,7 +18,9 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
 Rows are independent programs, so more rows re-read W (from L2 at best): measured on the H200
 (profiles/notes_fusion.md), one row runs the small and mid-sized decoder matrices of the 1B, 8B and
 135M models faster than cuBLAS, while at 16 rows a tensor-core variant only tied it; the model uses
-these kernels for one token (``MAX_ROWS``) and layers up to ``MAX_LAYER_BYTES``.
+these kernels for one token (``MAX_ROWS``) and layers up to ``MAX_LAYER_BYTES``. So a sequence decoding
+alone sums its products in another order than in a batch: its logits can differ in the last bits
+(as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
 Rounding follows the unfused ops (``graphrt.models.layers``): the normalised row and the product are
 rounded to the model dtype where the torch ops round them. The float32 sums run in another order than
@@ -40,13 +42,17 @@ from .rounding import round_to
 MAX_ROWS = 1
 
 #: Largest decoder layer (weight bytes) the model runs on these kernels. Measured side by side on the
-#: H200 (profiles/results/gemv_layers_h200.json, one token, a layer's four linear layers with their
-#: norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against 21.7 us, 122 MB (Llama-3.2-1B) 45.7
-#: against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us: the fused neighbours save a fixed
-#: few microseconds, while cuBLAS streams the largest matrices a little faster.
+#: H200 in bf16 (profiles/results/gemv_layers_h200.json, one token, a layer's four linear layers with
+#: their norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against 21.7 us, 122 MB (Llama-3.2-1B)
+#: 45.7 against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us: the fused neighbours save a
+#: fixed few microseconds, while cuBLAS streams the largest matrices a little faster. The bound lies
+#: between the measured sizes (nothing near it, nor float32, was measured).
 MAX_LAYER_BYTES = 256 << 20
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
+
+#: Rows sit on the launch grid's second axis, which CUDA caps at 65535.
+_MAX_GRID_ROWS = 65535
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets
+    up_ptrs = w_ptr + (cols_n + N).to(tl.int64)[:, None] * stride_w + k_offsets  # SILU_MUL's up rows
     for k in range(0, K, BLOCK_K):
         k_cols = k + k_offsets
         k_mask = k_cols < K
@@ -110,7 +117,7 @@ def _gemv_kernel(
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * x
         if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too
-            up_w = tl.load(w_ptrs + N * stride_w + k, mask=w_mask, other=0.0).to(tl.float32)
+            up_w = tl.load(up_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
             acc_up += up_w * x
 
     result = tl.sum(acc, axis=1)
@@ -156,12 +163,20 @@ def linear_gemv(
     * ``EPILOGUE_SILU_MUL``: weight is gate then up ([2 * I, K]); returns ``silu(gate) * up`` [M, I];
     * ``EPILOGUE_ADD_TO_OUT``: ``out`` ([M, N_w], required) += the linear output, in place.
 
-    Any M is correct; one row is what it is fast for. Nothing is allocated when ``out`` is given, and
-    the launch depends on shapes only: safe inside a CUDA graph.
+    Any M up to 65535 is correct; one row is what it is fast for. ``out`` must not share memory with
+    x. Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
+    CUDA graph.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
     rows, in_features = x.shape
+    if rows > _MAX_GRID_ROWS:
+        raise ValueError(f"{rows} rows exceed the launch grid's {_MAX_GRID_ROWS}; use torch.nn.functional.linear")
+    if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL):
+        raise ValueError(f"unknown epilogue {epilogue!r}")
+    for name, vector in (("bias", bias), ("norm weight", norm_weight)):
+        if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
+            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
     if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != x.dtype:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
                          f"{x.dtype} tensor")
@@ -181,6 +196,8 @@ def linear_gemv(
     elif out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
                          "contiguous columns")
+    elif out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with x: programs would read x while others write out")
     if rows == 0:
         return out
     config = config or default_config(in_features)

@@ -93,8 +93,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block. The residual add after each sublayer is left to the next norm, which
-    fuses it (``RMSNorm(x, residual)``), so a layer passes on its MLP output and the residual stream."""
+    """One pre-norm block. In ``forward`` the residual add after each sublayer is left to the next
+    norm, which fuses it (``RMSNorm(x, residual)``), so a layer passes on its MLP output and the
+    residual stream; ``forward_gemv`` adds into the stream in place instead."""
 
     def __init__(self, config: ModelConfig, rotary, backend, dtype, device, fused_kernels: bool = False):
         super().__init__()
@@ -123,12 +124,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """The same layer for a single token (decode at batch 1) on matrix-vector kernels, five plus
-        attention instead of nine: QKV with the input norm fused in, rotary + cache write, attention,
-        O adding into the residual stream, gate/up with the norm and SiLU * up, down adding into the
-        stream (``graphrt.kernels.gemv``; correct for any token count, fast for one).
+        """The same layer for a single token (decode at batch 1) on matrix-vector kernels: QKV with
+        the input norm fused in, rotary + cache write, attention, O adding into the residual stream,
+        gate/up with the norm and SiLU * up, down adding into the stream; four linear kernels where
+        ``forward`` runs four GEMMs, two norms, SiLU * up and (cuBLAS's) a split-K reduce
+        (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
         Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
         the stream, updated in place, carries everything."""
+        if self._gemv is None:
+            raise RuntimeError("forward_gemv needs a layer built with fused_kernels=True")
         if residual is None:
             residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
         elif hidden is not None:
@@ -211,17 +215,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
 
-        A forward of at most ``gemv_max_tokens`` tokens (decode at batch 1 with fused kernels) runs
-        each layer's ``forward_gemv``; others run cuBLAS GEMMs.
+        A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
+        one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
         """
-        gemv = 0 < input_ids.shape[0] <= self.gemv_max_tokens
+        use_gemv = 0 < input_ids.shape[0] <= self.gemv_max_tokens
         hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loops below stay free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
-                    run = layer.forward_gemv if gemv else layer
+                    run = layer.forward_gemv if use_gemv else layer
                     hidden, residual = run(positions, hidden, residual, kv_cache, attn_metadata)
-        elif gemv:
+        elif use_gemv:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer.forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
         else:
