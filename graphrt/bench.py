@@ -46,6 +46,7 @@ class BenchRow:
     pool_mib: float | None
     unfused_graph_ms: float | None = None  # with compare_unfused: the same step, unfused kernels
     unfused_replay_ms: float | None = None
+    gemv_layers: bool = False  # the step's layers ran the batch-1 GEMV kernels (graphrt.kernels.gemv)
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -151,6 +152,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
             fused = eager_engine.fused_kernels
+            gemv_layers = batch_size <= eager_engine.model.gemv_max_tokens
             del eager_engine, batch
             graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
@@ -171,6 +173,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
                 tokens_per_s=round(batch_size / best * 1e3, 1),
                 capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
                 unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
+                gemv_layers=gemv_layers,
             ))
             print(format_row(rows[-1]), flush=True)
     return {

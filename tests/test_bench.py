@@ -17,6 +17,7 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     for row in result["rows"]:
         assert row["eager_ms"] > 0 and row["tokens_per_s"] > 0
         assert row["graph_ms"] is None and row["floor_ms"] is None  # CPU: eager only
+        assert row["gemv_layers"] is False  # unfused on the CPU: cuBLAS-style torch linears
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:4] == ["batch", "ctx", "eager", "ms"]
