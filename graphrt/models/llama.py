@@ -141,8 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         qkv = kernels.linear_gemv(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
                                    norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
         attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
-        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
-                             out=residual)
+        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual)
         activated = kernels.linear_gemv(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
             eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
@@ -201,6 +201,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
 
+    def runs_gemv_layers(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_gemv``."""
+        return 0 < num_tokens <= self.gemv_max_tokens
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """[V, hidden]: the output projection (the embedding table when tied)."""
@@ -218,19 +222,16 @@ class LlamaForCausalLM(nn.Module):
         A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
         one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
         """
-        use_gemv = 0 < input_ids.shape[0] <= self.gemv_max_tokens
+        gemv = self.runs_gemv_layers(input_ids.shape[0])
+        run = LlamaDecoderLayer.forward_gemv if gemv else LlamaDecoderLayer.__call__
         hidden, residual = self.embed_tokens(input_ids), None
-        if nvtx.layers_enabled():  # checked once per forward, so the plain loops below stay free
+        if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
-                    run = layer.forward_gemv if use_gemv else layer
-                    hidden, residual = run(positions, hidden, residual, kv_cache, attn_metadata)
-        elif use_gemv:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer.forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
+                    hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn_metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+                hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn_metadata)
         if hidden is None:  # the GEMV layers left everything in the residual stream
             return self.norm(residual)
         normed, _ = self.norm(hidden, residual)
