@@ -100,9 +100,14 @@ def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
     """Median GPU ms of replaying ``batch``'s graph (static buffers refreshed once, by a decode)."""
     runner = engine.decode_runner
     runner.decode(batch)
-    graph = runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)]
+    return median_replay_ms(runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)],
+                            steps)
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median GPU ms of one replay of a captured ``graph`` (CUDA events around each replay)."""
     samples = []
-    for _ in range(steps):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -152,7 +157,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
             fused = eager_engine.fused_kernels
-            gemv_layers = batch_size <= eager_engine.model.gemv_max_tokens
+            gemv_layers = eager_engine.model.runs_gemv_layers(batch_size)
             del eager_engine, batch
             graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:

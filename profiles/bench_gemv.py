@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from graphrt.kernels import gemv as gemv_kernels
+from graphrt.bench import measure_read_bandwidth, median_replay_ms
+from graphrt.kernels import gemv
 from graphrt.kernels.activation import silu_and_mul
 from graphrt.kernels.rms_norm import rms_norm
 
@@ -38,8 +38,8 @@ MODELS = {
 }
 MIN_BYTES = 256 << 20
 #: Tiles tried (one row: products on CUDA cores, any number of outputs a program).
-SWEEP = {1: [gemv_kernels.TileConfig(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
-             if bn * bk <= 32768]}
+SWEEP = {1: [gemv.TileConfig(bn, bk, w)
+             for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)) if bn * bk <= 32768]}
 #: The matrices the sweep covers: (model, name).
 SWEEP_MATRICES = [("llama-3.2-1b", "qkv"), ("llama-3.2-1b", "o"), ("llama-3.2-1b", "gate_up"), ("llama-3.2-1b", "down"),
                   ("llama-3-8b", "gate_up"), ("llama-3-8b", "o"), ("smollm2-135m", "qkv"), ("smollm2-135m", "gate_up")]
@@ -59,16 +59,9 @@ def time_graph(ops, replays: int = 20) -> float:
             op()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(ops))
+    ms = median_replay_ms(graph, replays) / len(ops)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def weights(rows: int, cols: int) -> list[torch.Tensor]:
@@ -76,13 +69,6 @@ def weights(rows: int, cols: int) -> list[torch.Tensor]:
     per = rows * cols * 2
     count = max(1, -(-MIN_BYTES // per))
     return [torch.randn(rows, cols, device="cuda", dtype=DTYPE) / cols**0.5 for _ in range(count)]
-
-
-def hbm_bandwidth() -> float:
-    x = torch.randn(1 << 30, device="cuda")
-    ms = time_graph([lambda: x.sum()] * 4)
-    del x
-    return 4 * (1 << 30) / ms / 1e9
 
 
 def sweep(results: dict) -> None:
@@ -99,15 +85,16 @@ def sweep(results: dict) -> None:
                 label = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
                 try:
                     row["configs"][label] = 1e3 * time_graph(
-                        [lambda w=w, c=cfg: gemv_kernels.linear_gemv(x, w, out=out, config=c) for w in ws])
+                        [lambda w=w, c=cfg: gemv.linear_gemv(x, w, out=out, config=c) for w in ws])
                 except Exception as error:  # out of shared memory / registers for that tile
                     row["configs"][label] = repr(error)[:80]
             timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
             best = min(timed, key=timed.get)
             row["best"], row["best_us"] = best, timed[best]
             top = sorted(timed, key=timed.get)[:4]
-            print(f"{model:13} {name:8} rows {rows:2}  cuBLAS {row['cublas_us']:7.2f} us ({n * k * 2 / row['cublas_us'] / 1e6:4.2f}"
-                  f" TB/s)  best: " + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
+            cublas_tb_per_s = n * k * 2 / row["cublas_us"] / 1e6
+            print(f"{model:13} {name:8} rows {rows:2}  cuBLAS {row['cublas_us']:7.2f} us ({cublas_tb_per_s:4.2f} TB/s)"
+                  "  best: " + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
             results["sweep"].append(row)
         del ws
         torch.cuda.empty_cache()
@@ -139,19 +126,19 @@ def layer(results: dict, rows_list) -> None:
                     F.linear(act, w_down[i])
                 return run
 
-            def gemv(i):
+            def with_gemv(i):
                 def run():
-                    gemv_kernels.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
-                    gemv_kernels.linear_gemv(attn, w_o[i], epilogue=gemv_kernels.EPILOGUE_ADD_TO_OUT, out=residual)
-                    gemv_kernels.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps, epilogue=gemv_kernels.EPILOGUE_SILU_MUL,
-                                     out=act)
-                    gemv_kernels.linear_gemv(act, w_down[i], epilogue=gemv_kernels.EPILOGUE_ADD_TO_OUT, out=residual)
+                    gemv.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
+                    gemv.linear_gemv(attn, w_o[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual)
+                    gemv.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps,
+                                     epilogue=gemv.EPILOGUE_SILU_MUL, out=act)
+                    gemv.linear_gemv(act, w_down[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual)
                 return run
 
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
             row = {"model": model, "rows": rows, "layer_weight_bytes": per_layer_bytes,
                    "today_us": 1e3 * time_graph([today(i) for i in range(layers)]),
-                   "gemv_us": 1e3 * time_graph([gemv(i) for i in range(layers)])}
+                   "gemv_us": 1e3 * time_graph([with_gemv(i) for i in range(layers)])}
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
             print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"
                   f"  floor {row['floor_us']:6.2f} us", flush=True)
@@ -167,8 +154,8 @@ def layer(results: dict, rows_list) -> None:
             row = {"model": model, "rows": rows, "matrix": "lm_head",
                    "today_us": 1e3 * time_graph([lambda h=h: torch.mm(rms_norm(residual, norm_w, eps, out=normed), h.t(),
                                                                       out=logits) for h in heads]),
-                   "gemv_us": 1e3 * time_graph([lambda h=h: gemv_kernels.linear_gemv(residual, h, norm_weight=norm_w, eps=eps,
-                                                                               out=logits) for h in heads]),
+                   "gemv_us": 1e3 * time_graph([lambda h=h: gemv.linear_gemv(residual, h, norm_weight=norm_w, eps=eps,
+                                                                       out=logits) for h in heads]),
                    "floor_us": vocab * hidden * 2 / results["hbm_tb_per_s"] / 1e6}
             print(f"{model:13} lm_head rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"
                   f"  floor {row['floor_us']:6.2f} us", flush=True)
@@ -184,7 +171,8 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true", help="only the tile sweep")
     parser.add_argument("--rows", default="1", help="row counts of the layer comparison")
     args = parser.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_tb_per_s": hbm_bandwidth(),
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "hbm_tb_per_s": measure_read_bandwidth(torch.device("cuda")) / 1e12,
                "sweep": [], "layer": [], "lm_head": []}
     print(f"HBM read bandwidth {results['hbm_tb_per_s']:.2f} TB/s", flush=True)
     if not args.sweep_only:
