@@ -62,6 +62,7 @@ class AttentionImpl(ABC):
         attn_metadata: AttentionMetadata,
         kv_scale: float = 1.0,
         kv_cache_written: bool = False,
+        dependent_launch: bool = False,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and attend.
 
@@ -69,7 +70,9 @@ class AttentionImpl(ABC):
         (see ``get_kv_cache_shape``), or None while profiling memory (nothing is cached, every
         sequence must then have an empty context). ``kv_cache_written=True``: the caller already
         stored this step's K/V (e.g. ``triton_rope_cache_write``, fused with the rotary embedding), so
-        only attend. Returns [T, H * D] in query's dtype.
+        only attend. ``dependent_launch=True``: the caller's device supports programmatic dependent
+        launch (``graphrt.kernels.dependent_launch``) and a backend may launch its decode kernels so;
+        backends without such kernels ignore it. Returns [T, H * D] in query's dtype.
         """
 
 

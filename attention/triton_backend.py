@@ -38,7 +38,7 @@ class TritonAttentionImpl(AttentionImpl):
         self._use_xformers = xformers_status().usable
 
     def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
-                kv_cache_written: bool = False):
+                kv_cache_written: bool = False, dependent_launch: bool = False):
         num_tokens = query.shape[0]
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         if kv_cache is not None and not kv_cache_written:
@@ -60,7 +60,7 @@ class TritonAttentionImpl(AttentionImpl):
                 out[num_prefill_tokens:], q[num_prefill_tokens:], kv_cache, decode.block_tables,
                 decode.seq_lens_tensor, decode.max_decode_seq_len, self.scale, kv_heads, decode.block_size,
                 workspace=attn_metadata.decode_workspace, alibi_slopes=alibi, sliding_window=self.sliding_window,
-                k_scale=kv_scale, v_scale=kv_scale,
+                k_scale=kv_scale, v_scale=kv_scale, dependent_launch=dependent_launch,
             )
         return out.view(num_tokens, heads * size)
 

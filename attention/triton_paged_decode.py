@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.kernels.dependent_launch import wait_for_previous_kernel
+
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
 #: Fewest tokens a split is given before another split is worth its partial result.
@@ -210,7 +212,9 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # CPU interpreter only: its bf16 products are wrong, so run them in fp32
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
+    PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -309,7 +313,9 @@ def _decode_reduce_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -351,6 +357,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     fp8_dot_f16: bool = False,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """Attend one query token per sequence over its paged K/V; writes and returns ``out``.
 
@@ -366,6 +373,8 @@ def paged_decode_attention(
     (mandatory inside CUDA-graph capture: this function then allocates nothing). ``num_splits`` and
     ``config`` override the host heuristics (tests, tuning); ``fp8_dot_f16=True`` runs an fp8 cache's
     products in fp16 instead of the query dtype (13 % faster on the H200; see the profiling notes).
+    ``dependent_launch``: launch the kernels as programmatic dependents, each of the kernel before it
+    (see ``graphrt.kernels.dependent_launch``).
     """
     batch, num_heads, head_size = query.shape
     if out.shape != query.shape:
@@ -452,8 +461,10 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         FP8_DOT_F16=fp8_dot_f16 and kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32,
+        PDL=dependent_launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=dependent_launch,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -469,7 +480,9 @@ def paged_decode_attention(
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            PDL=dependent_launch,
             num_warps=4,
+            launch_pdl=dependent_launch,
         )
     return out
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.kernels.dependent_launch import wait_for_previous_kernel
 from graphrt.kernels.rounding import round_to
 
 from .triton_cache_write import _round_to_e4m3_grid
@@ -61,7 +62,9 @@ def _rope_cache_write_kernel(
     HALF_BLOCK: tl.constexpr,  # power of two >= D / 2
     WRITE_CACHE: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     row_ptr = qkv_ptr + token.to(tl.int64) * stride_qkv_row
     dtype = qkv_ptr.dtype.element_ty
@@ -116,6 +119,7 @@ def rope_and_write_kv_cache(
     head_size: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    dependent_launch: bool = False,
 ) -> None:
     """Rotate q and k inside ``qkv`` in place and store the rotated k and the v at their cache slots.
 
@@ -125,6 +129,8 @@ def rope_and_write_kv_cache(
     (then ``k_scale``/``v_scale`` apply), or None to rotate only (memory profiling);
     slot_mapping: [T] int64 (-1 = store nothing), ignored without a cache.
     One program per token, nothing allocated: safe inside a captured CUDA graph.
+    ``dependent_launch``: launch as a programmatic dependent of the previous kernel (needs
+    ``graphrt.kernels.dependent_launch.dependent_launch_available``).
     """
     num_tokens = positions.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_size
@@ -155,6 +161,6 @@ def rope_and_write_kv_cache(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_BLOCK=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         HALF_BLOCK=triton.next_power_of_2(head_size // 2),
-        WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
+        WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, PDL=dependent_launch,
+        num_warps=4, launch_pdl=dependent_launch,
     )

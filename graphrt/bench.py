@@ -47,6 +47,7 @@ class BenchRow:
     unfused_graph_ms: float | None = None  # with compare_unfused: the same step, unfused kernels
     unfused_replay_ms: float | None = None
     gemv_layers: bool = False  # the step's layers ran the batch-1 GEMV kernels (graphrt.kernels.gemv)
+    dependent_launch: bool = False  # fused kernels launched as programmatic dependents (EngineConfig)
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -117,11 +118,12 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return statistics.median(samples)
 
 
-def _time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params):
-    """(end-to-end ms, replay ms, capture s, pool MiB) of a captured engine's decode step."""
+def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, **options):
+    """(end-to-end ms, replay ms, capture s, pool MiB) of a captured engine's decode step. ``options``:
+    further ``EngineConfig`` fields."""
     torch.cuda.empty_cache()
     engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False,
-                           fused_kernels=fused_kernels)
+                           fused_kernels=fused_kernels, **options)
     batch = fill_decode_batch(engine, batch_size, context, params)
     graph_ms = _time_steps(engine.decode_runner.decode, batch, steps, dev)
     replay_ms = _time_replays(engine, batch, steps)
@@ -138,10 +140,10 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
 
 def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int,
               fused_kernels: bool | None = None, compare_unfused: bool = False,
-              params: SamplingParams | None = None) -> dict:
+              params: SamplingParams | None = None, dependent_launch: bool | None = None) -> dict:
     """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
 
-    ``fused_kernels``: as ``EngineConfig.fused_kernels``; ``compare_unfused``: also time the graphs
+    ``fused_kernels``, ``dependent_launch``: as the ``EngineConfig`` fields; ``compare_unfused``: also time the graphs
     with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy)."""
     params = params or SamplingParams(temperature=0.0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -151,20 +153,22 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     for context in contexts:
         for batch_size in batch_sizes:
             eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True,
-                                         fused_kernels=fused_kernels)
+                                         fused_kernels=fused_kernels, dependent_launch=dependent_launch)
             batch = fill_decode_batch(eager_engine, batch_size, context, params)
             eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
             fused = eager_engine.fused_kernels
             gemv_layers = eager_engine.model.runs_gemv_layers(batch_size)
+            dependent_launch = eager_engine.dependent_launch
             del eager_engine, batch
             graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
-                graph_ms, replay_ms, capture_s, pool = _time_graphs(
-                    model, dev, dtype, batch_size, context, steps, fused_kernels, params)
+                graph_ms, replay_ms, capture_s, pool = time_graphs(
+                    model, dev, dtype, batch_size, context, steps, fused_kernels, params,
+                    dependent_launch=dependent_launch)
                 if compare_unfused and fused:
-                    unfused_ms, unfused_replay, _, _ = _time_graphs(
+                    unfused_ms, unfused_replay, _, _ = time_graphs(
                         model, dev, dtype, batch_size, context, steps, False, params)
             best = graph_ms if graph_ms is not None else eager_ms
             floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
@@ -178,7 +182,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
                 tokens_per_s=round(batch_size / best * 1e3, 1),
                 capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
                 unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
-                gemv_layers=gemv_layers,
+                gemv_layers=gemv_layers, dependent_launch=dependent_launch,
             ))
             print(format_row(rows[-1]), flush=True)
     return {
@@ -246,8 +250,8 @@ def main(args) -> int:
     print(HEADER)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
-                       fused_kernels=args.fused_kernels, compare_unfused=args.compare_unfused,
-                       params=params)
+                       fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
+                       compare_unfused=args.compare_unfused, params=params)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

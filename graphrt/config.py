@@ -214,9 +214,13 @@ class EngineConfig:
     attention_backend: str | None = None
     #: Fused Triton kernels for the layers' elementwise work (add + RMSNorm, rotary + KV-cache write,
     #: SiLU * up), and at batch 1 matrix-vector linear layers with those fused in (models with layers up
-    #: to ``graphrt.kernels.gemv.MAX_LAYER_BYTES``); False = the unfused torch ops, kept to compare
+    #: to ``graphrt.kernels.gemv.beats_cublas``); False = the unfused torch ops, kept to compare
     #: against. None = fused on CUDA (on CPU Triton only runs in its slow interpreter).
     fused_kernels: bool | None = None
+    #: Launch the fused decode kernels (GEMV layers, rotary + cache write, paged attention) as programmatic
+    #: dependents, so each overlaps the end of the kernel before it (``graphrt.kernels.dependent_launch``;
+    #: same results). Needs fused kernels and an sm_90+ GPU. None = on wherever those hold.
+    dependent_launch: bool | None = None
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0
     #: Extra keyword arguments for the model loader (e.g. random presets' init scale).

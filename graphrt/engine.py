@@ -54,10 +54,11 @@ class LLMEngine:
             if self.fused_kernels and self.device.type == "cpu" and not _triton_interpreter_on():
                 raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
                                   "interpreter (TRITON_INTERPRET=1, slow: meant for tests)")
+            self.dependent_launch = self._resolve_dependent_launch()
             try:
                 model = LlamaForCausalLM(
                     self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,
-                    fused_kernels=self.fused_kernels,
+                    fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch,
                 )
             except ValueError as exc:  # e.g. a head size the attention backend cannot run
                 raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
@@ -85,10 +86,26 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         logger.info(
-            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, %s kernels",
+            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, %s kernels%s",
             self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size,
             self.max_model_len, self.attention_backend.name, "fused" if self.fused_kernels else "unfused",
+            " (dependent launches)" if self.dependent_launch else "",
         )
+
+    def _resolve_dependent_launch(self) -> bool:
+        """``config.dependent_launch`` resolved: None = on with fused kernels on an sm_90+ GPU."""
+        wanted = self.config.dependent_launch
+        if wanted is False:
+            return False
+        possible = self.fused_kernels and self.device.type == "cuda"
+        if possible:
+            from .kernels.dependent_launch import dependent_launch_available
+
+            possible = dependent_launch_available(self.device)
+        if wanted and not possible:
+            raise ConfigError("dependent_launch=True needs fused kernels on a CUDA GPU of compute capability 9.0 "
+                              "or later, with a Triton that has grid dependency control")
+        return possible
 
     # -- requests ----------------------------------------------------------------------------------
 

@@ -37,6 +37,9 @@ MODELS = {
     "smollm2-135m": (576, 960, 1536, 49152),
 }
 MIN_BYTES = 256 << 20
+#: GEMV launch options compared per layer: plain; each kernel a programmatic dependent launch (it
+#: starts while the previous one finishes, loading its first weights before it waits).
+LAUNCH_VARIANTS = {"gemv": {}, "gemv_pdl": {"dependent_launch": True}}
 #: Tiles tried (one row: products on CUDA cores, any number of outputs a program).
 SWEEP = {1: [gemv.TileConfig(bn, bk, w)
              for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)) if bn * bk <= 32768]}
@@ -126,22 +129,24 @@ def layer(results: dict, rows_list) -> None:
                     F.linear(act, w_down[i])
                 return run
 
-            def with_gemv(i):
+            def with_gemv(i, **launch):
                 def run():
-                    gemv.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out)
-                    gemv.linear_gemv(attn, w_o[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual)
+                    gemv.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out, **launch)
+                    gemv.linear_gemv(attn, w_o[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
                     gemv.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps,
-                                     epilogue=gemv.EPILOGUE_SILU_MUL, out=act)
-                    gemv.linear_gemv(act, w_down[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual)
+                                     epilogue=gemv.EPILOGUE_SILU_MUL, out=act, **launch)
+                    gemv.linear_gemv(act, w_down[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
                 return run
 
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
             row = {"model": model, "rows": rows, "layer_weight_bytes": per_layer_bytes,
-                   "today_us": 1e3 * time_graph([today(i) for i in range(layers)]),
-                   "gemv_us": 1e3 * time_graph([with_gemv(i) for i in range(layers)])}
+                   "today_us": 1e3 * time_graph([today(i) for i in range(layers)])}
+            for name, launch in LAUNCH_VARIANTS.items():
+                row[f"{name}_us"] = 1e3 * time_graph([with_gemv(i, **launch) for i in range(layers)])
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
-            print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  gemv {row['gemv_us']:7.2f} us"
-                  f"  floor {row['floor_us']:6.2f} us", flush=True)
+            print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  " + "  ".join(
+                f"{name} {row[name + '_us']:7.2f}" for name in LAUNCH_VARIANTS) + f"  floor {row['floor_us']:6.2f} us",
+                flush=True)
             results["layer"].append(row)
         del w_qkv, w_o, w_gu, w_down
         torch.cuda.empty_cache()

@@ -24,7 +24,8 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
 
     A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
     Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
-    ``num_stages``. Returns, per case, ``{"shared": bytes}`` or ``{"error": text}``.
+    ``num_stages``, optionally ``launch_pdl``. Returns, per case, ``{"shared": bytes, "dependency_waits": n,
+    "dependency_launches": n}`` (grid dependency control instructions in its PTX) or ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
@@ -46,10 +47,13 @@ def _compile(case: dict) -> dict:
     try:
         compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=case["constexprs"]),
                                   target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": case["num_warps"], "num_stages": case["num_stages"]})
+                                  options={"num_warps": case["num_warps"], "num_stages": case["num_stages"],
+                                           "launch_pdl": case.get("launch_pdl", False)})
     except Exception as error:  # reported per case; the test names the case
         return {"error": f"{type(error).__name__}: {error}"[-3000:]}
-    return {"shared": compiled.metadata.shared}
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
+            "dependency_launches": ptx.count("griddepcontrol.launch_dependents")}
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ def _sm90_cases():
         pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
         integers = {name: "i32" for name in ("stride_x", "stride_w", "stride_out", "N", "K")}
         constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE={"norm_silu": 2, "add": 1}.get(variant, 0),
-                          HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+                          HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                          PDL=False)  # dependent launches: tests/test_dependent_launch.py
         cases.append(dict(name=f"{variant}-{dtype}", module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                           signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                           num_warps=config.num_warps, num_stages=3))  # Triton's default, as launched
@@ -174,17 +175,22 @@ def test_gemv_kernel_compiles_for_sm90():
 # -- which models take the GEMV layers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset,expected", [("tiny", 1), ("smollm2-135m", 1), ("llama-3.2-1b", 1), ("llama-3-8b", 0)])
-def test_models_take_gemv_layers_where_they_were_measured_faster(preset, expected):
-    """One-token forwards run the GEMV layers for layers up to MAX_LAYER_BYTES (SmolLM2's 7 MB and the
-    1B's 122 MB were faster on them, the 8B's 436 MB slower); unfused models never do."""
+@pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),
+                                                    ("llama-3-8b", 0, 1)])
+def test_models_take_gemv_layers_where_they_were_measured_faster(preset, plain, dependent):
+    """One-token forwards run the GEMV layers where they measured faster than cuBLAS: launched plainly,
+    for layers up to MAX_LAYER_BYTES (SmolLM2's 7 MB and the 1B's 122 MB, not the 8B's 436 MB); as
+    dependent launches, at every measured size. Unfused models never do."""
     from graphrt.attention.reference import ReferenceAttentionBackend
     from graphrt.loader.random_presets import PRESETS
     from graphrt.models.llama import LlamaForCausalLM
 
-    def build(fused):  # on the meta device: shapes only, no memory
+    def build(fused, dependent_launch=False):  # on the meta device: shapes only, no memory
         return LlamaForCausalLM(PRESETS[preset], ReferenceAttentionBackend, 64, torch.bfloat16, "meta",
-                                fused_kernels=fused)
+                                fused_kernels=fused, dependent_launch=dependent_launch)
 
-    assert build(True).gemv_max_tokens == expected
+    assert build(True).gemv_max_tokens == plain
+    assert build(True, dependent_launch=True).gemv_max_tokens == dependent
     assert build(False).gemv_max_tokens == 0
+    with pytest.raises(ValueError, match="dependent_launch needs fused_kernels"):
+        build(False, dependent_launch=True)

@@ -41,13 +41,21 @@ from .rounding import round_to
 #: Tokens up to which the model runs its layers on these kernels (see the module docstring).
 MAX_ROWS = 1
 
-#: Largest decoder layer (weight bytes) the model runs on these kernels. Measured side by side on the
-#: H200 in bf16 (profiles/results/gemv_layers_h200.json, one token, a layer's four linear layers with
-#: their norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against 21.7 us, 122 MB (Llama-3.2-1B)
-#: 45.7 against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us: the fused neighbours save a
-#: fixed few microseconds, while cuBLAS streams the largest matrices a little faster. The bound lies
-#: between the measured sizes (nothing near it, nor float32, was measured).
+#: Largest decoder layer (weight bytes) the model runs on these kernels when they are launched plainly.
+#: Measured side by side on the H200 in bf16 (profiles/results/gemv_layers_h200.json, one token, a
+#: layer's four linear layers with their norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against
+#: 21.7 us, 122 MB (Llama-3.2-1B) 45.7 against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us:
+#: the fused neighbours save a fixed few microseconds, while cuBLAS streams the largest matrices a
+#: little faster. The bound lies between the measured sizes (nothing near it, nor float32, was measured).
 MAX_LAYER_BYTES = 256 << 20
+
+
+def beats_cublas(layer_weight_bytes: int, dependent_launch: bool) -> bool:
+    """Whether a one-token decoder layer of ``layer_weight_bytes`` runs faster on these kernels than on
+    cuBLAS with the separate norm and SiLU kernels. Launched as programmatic dependents they won at
+    every measured size (profiles/results/gemv_launch_h200.json: 8.8 against 21.6 us at 7 MB, 40.7
+    against 52.1 at 122 MB, 124.9 against 129.5 at 436 MB); launched plainly, up to ``MAX_LAYER_BYTES``."""
+    return dependent_launch or layer_weight_bytes <= MAX_LAYER_BYTES
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
@@ -62,6 +70,18 @@ class TileConfig:
     block_n: int
     block_k: int
     num_warps: int
+
+
+@triton.jit
+def _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM: tl.constexpr, dtype: tl.constexpr):
+    """The row's K slice ``k_cols`` ([1, BLOCK_K]) as float32, normalised with NORM as rms_norm_torch
+    rounds it: ``weight * (x * inv_rms).to(dtype)``, rounded to dtype."""
+    k_mask = k_cols < K
+    x = tl.load(x_row + k_cols, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
+        x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -82,6 +102,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
@@ -90,7 +111,22 @@ def _gemv_kernel(
     # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
     # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
     k_offsets = tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets
+    up_ptrs = w_ptr + (cols_n + N).to(tl.int64)[:, None] * stride_w + k_offsets  # SILU_MUL's up rows
 
+    if PDL:
+        # The next kernel may be scheduled once every program here has started. Weights are static,
+        # so the first slice is loaded before waiting for the previous kernel; x and out are read
+        # and written only after the wait.
+        tl.extra.cuda.gdc_launch_dependents()
+    first_mask = n_mask[:, None] & (k_offsets < K)
+    w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
+    if EPILOGUE == 2:
+        up_first = tl.load(up_ptrs, mask=first_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+    inv_rms = 1.0
     if NORM:
         # 1 / rms of the row, recomputed by every program: the row comes from L2.
         sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
@@ -100,23 +136,20 @@ def _gemv_kernel(
         inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
 
     # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
-    # would synchronise the warps every slice.
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets
-    up_ptrs = w_ptr + (cols_n + N).to(tl.int64)[:, None] * stride_w + k_offsets  # SILU_MUL's up rows
-    for k in range(0, K, BLOCK_K):
+    # would synchronise the warps every slice. The first slice's weights were loaded above.
+    x = _row_slice(x_row, norm_w_ptr, k_offsets, K, inv_rms, NORM, dtype)
+    acc = w_first.to(tl.float32) * x
+    if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too
+        acc_up = up_first.to(tl.float32) * x
+    else:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(BLOCK_K, K, BLOCK_K):
         k_cols = k + k_offsets
-        k_mask = k_cols < K
-        x = tl.load(x_row + k_cols, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM:
-            # weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded as rms_norm_torch rounds.
-            norm_w = tl.load(norm_w_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
-            x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask
+        x = _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM, dtype)
+        w_mask = n_mask[:, None] & (k_cols < K)
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * x
-        if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too
+        if EPILOGUE == 2:
             up_w = tl.load(up_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
             acc_up += up_w * x
 
@@ -151,6 +184,7 @@ def linear_gemv(
     epilogue: int = EPILOGUE_STORE,
     out: torch.Tensor | None = None,
     config: TileConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for a row or a few, optionally with RMSNorm before and SiLU * up or
     a residual add after, in one kernel.
@@ -165,7 +199,8 @@ def linear_gemv(
 
     Any M up to 65535 is correct; one row is what it is fast for. ``out`` must not share memory with
     x. Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
-    CUDA graph.
+    CUDA graph. ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose
+    tail then overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
@@ -205,6 +240,7 @@ def linear_gemv(
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=dependent_launch,
+        num_warps=config.num_warps, launch_pdl=dependent_launch,
     )
     return out

@@ -8,7 +8,9 @@ then decodes) and its own paged KV cache, so one forward serves any mix of prefi
 write, SiLU * up, one launch each; a one-token forward of a model with small enough layers runs each
 layer on matrix-vector kernels that fuse those in (``LlamaDecoderLayer.forward_gemv``). ``False``
 keeps the unfused torch ops as the reference to compare against; the two round alike
-(``graphrt.kernels`` says where they can still differ).
+(``graphrt.kernels`` says where they can still differ). ``dependent_launch=True`` (with fused kernels,
+on sm_90+) launches the decode path's Triton kernels as programmatic dependents, each overlapping the
+end of the kernel before it (``graphrt.kernels.dependent_launch``); results are the same bits.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: type[AttentionBackend], dtype, device,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = False, dependent_launch: bool = False):
         super().__init__()
+        self.dependent_launch = dependent_launch
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )
@@ -68,10 +71,11 @@ class LlamaAttention(nn.Module):
         # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
         self._rope_and_write_cache(
             qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=self.dependent_launch,
         )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True)
+        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True,
+                                 dependent_launch=self.dependent_launch)
 
 
 class LlamaMLP(nn.Module):
@@ -97,11 +101,12 @@ class LlamaDecoderLayer(nn.Module):
     norm, which fuses it (``RMSNorm(x, residual)``), so a layer passes on its MLP output and the
     residual stream; ``forward_gemv`` adds into the stream in place instead."""
 
-    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, fused_kernels: bool = False):
+    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, fused_kernels: bool = False,
+                 dependent_launch: bool = False):
         super().__init__()
         norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=fused_kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels)
+        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels, dependent_launch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
         self._gemv = None
@@ -138,16 +143,18 @@ class LlamaDecoderLayer(nn.Module):
         elif hidden is not None:
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
+        launch = {"dependent_launch": attention.dependent_launch}
         qkv = kernels.linear_gemv(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
-                                   norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+                                   norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, **launch)
         attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
         kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
-                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual)
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         activated = kernels.linear_gemv(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
+            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
         )
-        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual)
+        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
+                            **launch)
         return None, residual
 
 
@@ -171,30 +178,33 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         fused_kernels: bool = False,
+        dependent_launch: bool = False,
     ):
         super().__init__()
+        if dependent_launch and not fused_kernels:
+            raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         self.config = config
         self.fused_kernels = fused_kernels
+        self.dependent_launch = dependent_launch
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, fused_kernels)
+            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, fused_kernels, dependent_launch)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=fused_kernels)
         #: Forwards of at most this many tokens run the layers' ``forward_gemv``: ``gemv.MAX_ROWS`` with
-        #: fused kernels and layers small enough that the GEMV kernels beat cuBLAS (see
-        #: ``graphrt.kernels.gemv.MAX_LAYER_BYTES``), else 0.
+        #: fused kernels where the GEMV kernels beat cuBLAS (``graphrt.kernels.gemv.beats_cublas``), else 0.
         self.gemv_max_tokens = 0
         if fused_kernels and len(self.layers):
             from ..kernels import gemv
 
             layer = self.layers[0]
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if sum(linear.weight.nbytes for linear in linears) <= gemv.MAX_LAYER_BYTES:
+            if gemv.beats_cublas(sum(linear.weight.nbytes for linear in linears), dependent_launch):
                 self.gemv_max_tokens = gemv.MAX_ROWS
         if config.tie_word_embeddings:
             self.lm_head = None

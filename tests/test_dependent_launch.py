@@ -1,0 +1,146 @@
+"""Programmatic dependent launch (``graphrt.kernels.dependent_launch``): every kernel launched so
+waits for the kernel before it ahead of touching activations, so results keep every bit.
+
+On the CPU: the kernels compile for sm_90 with their grid dependency wait in place (and without it when
+launched plainly), and the engine refuses ``dependent_launch=True`` where it cannot run. On a GPU: a
+graph of chained kernels that each read what the previous one wrote gives the same bits launched
+either way, and engines with and without dependent launches generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.errors import ConfigError
+
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                reason="needs a CUDA device of compute capability 9.0 or later")
+
+
+# -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
+
+
+def _case(name, module, kernel, signature, constexprs, num_warps=4):
+    return dict(name=name, module=module, kernel=kernel, signature=signature, constexprs=constexprs,
+                num_warps=num_warps, num_stages=3, launch_pdl=constexprs["PDL"])
+
+
+def _cases(pdl: bool) -> list[dict]:
+    """One launch specialisation of each kernel the decode path launches as a dependent (bf16)."""
+    gemv = _case("gemv-norm-silu", "graphrt.kernels.gemv", "_gemv_kernel",
+                 {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")},
+                  **{n: "i32" for n in ("stride_x", "stride_w", "stride_out", "N", "K")}, "eps": "fp32"},
+                 dict(NORM=True, EPILOGUE=2, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, PDL=pdl), num_warps=8)
+    rope = _case("rope-cache-write", "graphrt.attention.triton_rope_cache_write", "_rope_cache_write_kernel",
+                 {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_qkv_row": "i32", "stride_table_row": "i32",
+                  "stride_cache_kind": "i64", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+                 dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, HEADS_BLOCK=32, HALF_BLOCK=32, WRITE_CACHE=True,
+                      QUANTIZE=False, PDL=pdl))
+    split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
+                  {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                   "alibi_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                   **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kv_token", "stride_bt", "stride_ob",
+                                         "stride_oh", "stride_wb", "stride_wh", "window", "num_splits")},
+                   "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
+                  dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
+                       SINGLE_SPLIT=False, USE_ALIBI=False, USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False,
+                       FP8_DOT_F16=False, PDL=pdl))
+    reduce = _case("decode-reduce", "graphrt.attention.triton_paged_decode", "_decode_reduce_kernel",
+                   {"out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                    **{n: "i32" for n in ("stride_ob", "stride_oh", "stride_wb", "stride_wh", "num_splits")}},
+                   dict(HEAD_SIZE=64, HEAD_PAD=64, SPLITS_PAD=16, PDL=pdl))
+    return [gemv, rope, split, reduce]
+
+
+def test_dependent_kernels_compile_for_sm90_with_their_wait():
+    """Launched as dependents, each kernel's PTX holds the grid dependency wait (and the early launch
+    of its own dependents); launched plainly, neither instruction."""
+    from sm90_compile import compile_for_sm90
+
+    dependent, plain = _cases(True), _cases(False)
+    results = compile_for_sm90(dependent + plain)
+    for case, result in zip(dependent + plain, results):
+        assert "error" not in result, (case["name"], result)
+        expected = 1 if case["constexprs"]["PDL"] else 0
+        assert min(result["dependency_waits"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
+        assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
+
+
+def test_engine_refuses_dependent_launch_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="dependent_launch=True needs fused kernels on a CUDA GPU"):
+        LLM("random:tiny", device="cpu", progress=False, max_num_seqs=2, max_model_len=64, dependent_launch=True)
+    llm = LLM("random:tiny", device="cpu", progress=False, max_num_seqs=2, max_model_len=64)
+    assert llm.engine.dependent_launch is False
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden,intermediate", [(256, 512), (576, 1536), (2048, 8192)])
+def test_chained_gemv_graph_gives_the_same_bits_as_dependents(dtype, hidden, intermediate):
+    """Forty layers' worth of GEMV kernels, each reading the residual stream the one before updated
+    in place, captured in one graph: launched as dependents it must equal the plain launches bitwise
+    (a kernel reading before its wait would see a stale stream)."""
+    from graphrt.kernels import gemv
+
+    generator = torch.Generator(device="cuda").manual_seed(hash((hidden, intermediate)) % 2**31)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=generator) * scale).to(dtype)
+
+    layers = [(rand(2 * intermediate, hidden, scale=hidden**-0.5), rand(hidden, intermediate, scale=intermediate**-0.5),
+               rand(hidden, scale=0.1) + 1) for _ in range(40)]
+    start = rand(1, hidden)
+    act = torch.full((1, intermediate), float("nan"), device="cuda", dtype=dtype)  # poisoned
+
+    def run(residual, dependent_launch):
+        for gate_up, down, norm in layers:
+            gemv.linear_gemv(residual, gate_up, norm_weight=norm, eps=1e-5, epilogue=gemv.EPILOGUE_SILU_MUL, out=act,
+                             dependent_launch=dependent_launch)
+            gemv.linear_gemv(act, down, epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual,
+                             dependent_launch=dependent_launch)
+
+    results = {}
+    for dependent_launch in (False, True):
+        residual = start.clone()
+        run(residual, dependent_launch)  # warm-up: first launches load the modules, never inside a capture
+        residual.copy_(start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(residual, dependent_launch)
+        residual.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[dependent_launch] = residual.clone()
+    assert torch.isfinite(results[False]).all()
+    assert torch.equal(results[True], results[False])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("preset,dtype", [("tiny", "bfloat16"), ("tiny", "float32"), ("smollm2-135m", "bfloat16")])
+def test_engines_with_and_without_dependent_launch_generate_the_same_tokens(preset, dtype):
+    """Batch 1 (GEMV layers, rotary + cache write, split attention, all dependents) and a batch of
+    four (cuBLAS GEMMs between dependent kernels), greedy, from captured graphs."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in (5, 17, 33, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for dependent_launch in (False, True):
+        llm = LLM(f"random:{preset}", device="cuda", dtype=dtype, progress=False, max_num_seqs=4, max_model_len=256,
+                  num_kv_blocks=128, loader_options={"init_std": 0.5} if preset == "tiny" else {},
+                  dependent_launch=dependent_launch)
+        assert llm.engine.dependent_launch is dependent_launch
+        alone = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
+        together = [out.token_ids for out in llm.generate(prompts, params)]
+        assert not llm.engine.decode_runner.stats.eager_steps
+        outputs[dependent_launch] = alone, together
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[True] == outputs[False]
