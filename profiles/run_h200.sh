@@ -2,18 +2,18 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, gemv, profile, host, nvtx; tests-all runs every gpu-marked test.
+# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling gemv profile host nvtx}
+stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling dependent gemv profile host nvtx}
 log() { echo "== $(date +%T) $*"; }
 
 for stage in $stages; do
   case $stage in
     tests)
       log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py \
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py tests/test_dependent_launch.py \
         tests/test_gpu_engine.py tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
       ;;
     tests-all)
@@ -41,6 +41,10 @@ for stage in $stages; do
         --json "$OUT/bench_llama1b_temperature.json"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-p 0.9 \
         --json "$OUT/bench_llama1b_top_p.json"
+      ;;
+    dependent)
+      log "decode steps with plain and dependent kernel launches, side by side"
+      python profiles/bench_dependent_launch.py --json "$OUT/dependent_launch.json"
       ;;
     gemv)
       log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"

@@ -29,7 +29,7 @@ import sys
 import time
 
 from graphrt.sampling_params import SamplingParams
-from graphrt.cli import add_model_arguments
+from graphrt.cli import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
 from graphrt.profile import cuda_profiler_range, step_annotation, summarize_trace, torch_trace
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=batch, max_model_len=max_len,
         block_size=BLOCK_SIZE, num_kv_blocks=batch * -(-max_len // BLOCK_SIZE) + 1,
         max_num_batched_tokens=batch * context, capture_sizes=[batch], enforce_eager=args.enforce_eager,
-        nvtx=True, nvtx_layers=args.nvtx_layers, fused_kernels=args.fused_kernels,
+        nvtx=True, nvtx_layers=args.nvtx_layers, **kernel_options(args),
     ), progress=False)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Every key the breakdown JSON documents (graphrt/profile.py), on every device.
 BREAKDOWN_KEYS = {
     "model", "device", "dtype", "torch", "batch_size", "context", "steps", "warmup_steps", "mode", "fused_kernels",
+    "dependent_launch",
     "eager_reason", "decode_stats", "trace", "step_wall_us", "step_wall_us_unprofiled", *GPU_KEYS,
     "top_kernels", "top_cpu_ops", "host_outside_ops_us_per_step", "notes",
 }
