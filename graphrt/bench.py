@@ -51,10 +51,16 @@ class BenchRow:
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
-    """Bytes/s of a large on-device reduction (each byte read once), median of 20 runs."""
+    """Bytes/s of a large on-device reduction (each byte read once), median of 20 runs.
+
+    The runs follow half a second of the same reduction, so that a GPU that was idle has raised its
+    clocks: timed after only 3 warm-up runs, the probe at the start of a ``bench`` read between 3.9 and
+    4.2 TB/s on the H200 (profiles/notes_fusion.md), moving every floor of that invocation by up to 7 %."""
     data = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
+    warm_until = time.perf_counter() + 0.5
+    while time.perf_counter() < warm_until:
         data.sum()
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
