@@ -18,7 +18,7 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
 Rows are independent programs, so more rows re-read W (from L2 at best): measured on the H200
 (profiles/notes_fusion.md), one row runs the small and mid-sized decoder matrices of the 1B, 8B and
 135M models faster than cuBLAS, while at 16 rows a tensor-core variant only tied it; the model uses
-these kernels for one token (``MAX_ROWS``) and layers up to ``MAX_LAYER_BYTES``. So a sequence decoding
+these kernels for one token (``MAX_ROWS``) where ``beats_cublas`` says they win. So a sequence decoding
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
