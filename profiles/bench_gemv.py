@@ -2,11 +2,12 @@
 
 For the decoder matrices of Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), one run measures:
 
-1. per layer, at one row, what the fused decode path ran before (add+RMSNorm kernel, cuBLAS QKV;
-   cuBLAS O; add+RMSNorm, cuBLAS gate/up, SiLU*up kernel; cuBLAS down) against the GEMV kernels
-   that take those neighbours in (QKV with the norm; O adding into the residual; gate/up with the
-   norm and SiLU*up; down adding into the residual), and the LM head with the final norm;
-2. a tile sweep of the plain GEMV on eight of the matrices, against ``F.linear``.
+1. a tile sweep: each matrix's GEMV as the layer runs it (norm prologue, SiLU * up or residual-add
+   epilogue; launched as dependents) for every tile of ``SWEEP_TILES``, against ``F.linear``;
+2. per layer, at one row, what the fused decode path runs without the GEMV kernels (add+RMSNorm
+   kernel, cuBLAS QKV; cuBLAS O; add+RMSNorm, cuBLAS gate/up, SiLU*up kernel; cuBLAS down) against
+   the GEMV kernels that take those neighbours in, launched plainly, as dependents, and as
+   dependents with the sweep's best tile per matrix; and the LM head with the final norm.
 
 Every timing is a CUDA-graph replay of the op over enough weight copies (>= 256 MB) that the weights
 stream from HBM as in a real step, so a time includes each kernel's in-graph latency. Medians of 20
@@ -37,15 +38,10 @@ MODELS = {
     "smollm2-135m": (576, 960, 1536, 49152),
 }
 MIN_BYTES = 256 << 20
-#: GEMV launch options compared per layer: plain; each kernel a programmatic dependent launch (it
-#: starts while the previous one finishes, loading its first weights before it waits).
-LAUNCH_VARIANTS = {"gemv": {}, "gemv_pdl": {"dependent_launch": True}}
 #: Tiles tried (one row: products on CUDA cores, any number of outputs a program).
-SWEEP = {1: [gemv.TileConfig(bn, bk, w)
-             for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)) if bn * bk <= 32768]}
-#: The matrices the sweep covers: (model, name).
-SWEEP_MATRICES = [("llama-3.2-1b", "qkv"), ("llama-3.2-1b", "o"), ("llama-3.2-1b", "gate_up"), ("llama-3.2-1b", "down"),
-                  ("llama-3-8b", "gate_up"), ("llama-3-8b", "o"), ("smollm2-135m", "qkv"), ("smollm2-135m", "gate_up")]
+SWEEP_TILES = [gemv.TileConfig(bn, bk, w)
+               for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8)) if bn * bk <= 16384]
+MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def time_graph(ops, replays: int = 20) -> float:
@@ -74,33 +70,57 @@ def weights(rows: int, cols: int) -> list[torch.Tensor]:
     return [torch.randn(rows, cols, device="cuda", dtype=DTYPE) / cols**0.5 for _ in range(count)]
 
 
+def shape(model: str, matrix: str) -> tuple[int, int]:
+    """(rows N of the weight, in_features K) of one of a model's decoder matrices (gate/up fused)."""
+    hidden, qkv, inter, _ = MODELS[model]
+    return {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}[matrix]
+
+
+def layer_op(matrix: str, x, w, out, norm_w, eps, **launch):
+    """The matrix's GEMV as the decode layer runs it: QKV and gate/up with the norm (gate/up with SiLU *
+    up), O and down adding into the residual stream ``out``."""
+    if matrix in ("qkv", "gate_up"):
+        epilogue = gemv.EPILOGUE_SILU_MUL if matrix == "gate_up" else gemv.EPILOGUE_STORE
+        return gemv.linear_gemv(x, w, norm_weight=norm_w, eps=eps, epilogue=epilogue, out=out, **launch)
+    return gemv.linear_gemv(x, w, epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=out, **launch)
+
+
 def sweep(results: dict) -> None:
-    for model, name in SWEEP_MATRICES:
-        hidden, qkv, inter, _ = MODELS[model]
-        n, k = {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}[name]
-        ws = weights(n, k)
-        for rows, configs in SWEEP.items():
-            x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
-            out = torch.empty(rows, n, device="cuda", dtype=DTYPE)
-            row = {"model": model, "matrix": name, "n": n, "k": k, "rows": rows, "bytes": n * k * 2,
+    """Every tile of SWEEP_TILES on each model's four matrices, as the layer runs them (dependent
+    launches); records the best tile per matrix in ``results["best_tiles"]``."""
+    eps = 1e-5
+    for model in MODELS:
+        for name in MATRICES:
+            n, k = shape(model, name)
+            ws = weights(n, k)
+            x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+            out = torch.randn(1, n // 2 if name == "gate_up" else n, device="cuda", dtype=DTYPE)
+            norm_w = torch.randn(k, device="cuda", dtype=DTYPE)
+            row = {"model": model, "matrix": name, "n": n, "k": k, "rows": 1, "bytes": n * k * 2,
                    "cublas_us": 1e3 * time_graph([lambda w=w: F.linear(x, w) for w in ws]), "configs": {}}
-            for cfg in configs:
+            for cfg in SWEEP_TILES:
                 label = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
                 try:
                     row["configs"][label] = 1e3 * time_graph(
-                        [lambda w=w, c=cfg: gemv.linear_gemv(x, w, out=out, config=c) for w in ws])
+                        [lambda w=w, c=cfg: layer_op(name, x, w, out, norm_w, eps, config=c, dependent_launch=True)
+                         for w in ws])
                 except Exception as error:  # out of shared memory / registers for that tile
                     row["configs"][label] = repr(error)[:80]
             timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
             best = min(timed, key=timed.get)
             row["best"], row["best_us"] = best, timed[best]
+            row["default"] = "{0.block_n}x{0.block_k} w{0.num_warps}".format(gemv.default_config(k))
+            row["default_us"] = timed.get(row["default"])
+            results["best_tiles"].setdefault(model, {})[name] = next(
+                c for c in SWEEP_TILES if f"{c.block_n}x{c.block_k} w{c.num_warps}" == best).__dict__.copy()
             top = sorted(timed, key=timed.get)[:4]
             cublas_tb_per_s = n * k * 2 / row["cublas_us"] / 1e6
-            print(f"{model:13} {name:8} rows {rows:2}  cuBLAS {row['cublas_us']:7.2f} us ({cublas_tb_per_s:4.2f} TB/s)"
-                  "  best: " + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
+            print(f"{model:13} {name:8} cuBLAS {row['cublas_us']:7.2f} us ({cublas_tb_per_s:4.2f} TB/s)  default "
+                  f"{row['default']} {row['default_us'] or float('nan'):.2f}  best: "
+                  + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
             results["sweep"].append(row)
-        del ws
-        torch.cuda.empty_cache()
+            del ws
+            torch.cuda.empty_cache()
 
 
 def layer(results: dict, rows_list) -> None:
@@ -129,23 +149,27 @@ def layer(results: dict, rows_list) -> None:
                     F.linear(act, w_down[i])
                 return run
 
-            def with_gemv(i, **launch):
+            def with_gemv(i, dependent_launch, tiles):
+                launch = dict(dependent_launch=dependent_launch)
+
                 def run():
-                    gemv.linear_gemv(residual, w_qkv[i], norm_weight=norm_w, eps=eps, out=qkv_out, **launch)
-                    gemv.linear_gemv(attn, w_o[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
-                    gemv.linear_gemv(residual, w_gu[i], norm_weight=norm_w, eps=eps,
-                                     epilogue=gemv.EPILOGUE_SILU_MUL, out=act, **launch)
-                    gemv.linear_gemv(act, w_down[i], epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
+                    for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
+                                            ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
+                        config = gemv.TileConfig(**tiles[name]) if name in tiles else None
+                        layer_op(name, x, w, out, norm_w, eps, config=config, **launch)
                 return run
 
+            variants = {"gemv": (False, {}), "gemv_pdl": (True, {})}
+            if model in results["best_tiles"]:
+                variants["gemv_pdl_best"] = (True, results["best_tiles"][model])
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
             row = {"model": model, "rows": rows, "layer_weight_bytes": per_layer_bytes,
                    "today_us": 1e3 * time_graph([today(i) for i in range(layers)])}
-            for name, launch in LAUNCH_VARIANTS.items():
-                row[f"{name}_us"] = 1e3 * time_graph([with_gemv(i, **launch) for i in range(layers)])
+            for name, (dependent_launch, tiles) in variants.items():
+                row[f"{name}_us"] = 1e3 * time_graph([with_gemv(i, dependent_launch, tiles) for i in range(layers)])
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
             print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  " + "  ".join(
-                f"{name} {row[name + '_us']:7.2f}" for name in LAUNCH_VARIANTS) + f"  floor {row['floor_us']:6.2f} us",
+                f"{name} {row[name + '_us']:7.2f}" for name in variants) + f"  floor {row['floor_us']:6.2f} us",
                 flush=True)
             results["layer"].append(row)
         del w_qkv, w_o, w_gu, w_down
@@ -178,12 +202,12 @@ def main() -> None:
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hbm_tb_per_s": measure_read_bandwidth(torch.device("cuda")) / 1e12,
-               "sweep": [], "layer": [], "lm_head": []}
+               "sweep": [], "best_tiles": {}, "layer": [], "lm_head": []}
     print(f"HBM read bandwidth {results['hbm_tb_per_s']:.2f} TB/s", flush=True)
-    if not args.sweep_only:
-        layer(results, [int(r) for r in args.rows.split(",")])
     if not args.no_sweep:
         sweep(results)
+    if not args.sweep_only:
+        layer(results, [int(r) for r in args.rows.split(",")])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

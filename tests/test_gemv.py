@@ -78,7 +78,7 @@ def allowed_error(variant, expected, product, largest_term, in_features, dtype):
     return 2 * unit * (expected.double().abs() + product.double().abs()) + floor
 
 
-def check(variant, rows, out_features, in_features, dtype, seed=0):
+def check(variant, rows, out_features, in_features, dtype, seed=0, config=None):
     out_width = out_features // 2 if variant == "norm_silu" else out_features
     x = _randn(rows, in_features, dtype=dtype, seed=seed, scale=2.0)
     weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
@@ -90,7 +90,8 @@ def check(variant, rows, out_features, in_features, dtype, seed=0):
                                                                device=DEVICE)
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(
         variant, gemv.EPILOGUE_STORE)
-    got = gemv.linear_gemv(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out)
+    got = gemv.linear_gemv(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out,
+                           config=config)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
     excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, largest_term, in_features, dtype)
@@ -105,6 +106,14 @@ def check(variant, rows, out_features, in_features, dtype, seed=0):
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 48, 80), (1, 20, 1100), (3, 40, 96), (2, 64, 300)])
 def test_linear_gemv_matches_reference(variant, rows, out_features, in_features, dtype):
     check(variant, rows, out_features, in_features, dtype, seed=rows + in_features)
+
+
+@pytest.mark.parametrize("config", [gemv.TileConfig(8, 32, 4), gemv.TileConfig(4, 64, 8)], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 20, 100), (2, 40, 96)])
+def test_linear_gemv_slices_match_reference(variant, rows, out_features, in_features, config):
+    """Short K slices: several a row, the last one partial; output tiles past the last row."""
+    check(variant, rows, out_features, in_features, torch.float32, seed=7 * rows + in_features, config=config)
 
 
 @pytest.mark.gpu
@@ -144,19 +153,27 @@ def test_linear_gemv_rejects_bad_shapes():
 # -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
 
 
+def _sm90_case(name, dtype, variant, config):
+    pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
+    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
+    constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE={"norm_silu": 2, "add": 1}.get(variant, 0),
+                      HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      PDL=False)  # dependent launches: tests/test_dependent_launch.py
+    return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
+                signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
+                num_warps=config.num_warps, num_stages=3)  # Triton's default, as launched
+
+
 def _sm90_cases():
-    """Every launch specialisation linear_gemv makes, bf16 and fp32, at the largest K slice."""
+    """Every launch specialisation linear_gemv makes: the general tile at the largest K slice, bf16
+    and fp32, each variant; every measured tile (16-bit weights only) with the epilogues it serves."""
     cases = []
     for dtype, variant in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"]):
-        config = gemv.default_config(8192)
-        pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
-        integers = {name: "i32" for name in ("stride_x", "stride_w", "stride_out", "N", "K")}
-        constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE={"norm_silu": 2, "add": 1}.get(variant, 0),
-                          HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                          PDL=False)  # dependent launches: tests/test_dependent_launch.py
-        cases.append(dict(name=f"{variant}-{dtype}", module="graphrt.kernels.gemv", kernel="_gemv_kernel",
-                          signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
-                          num_warps=config.num_warps, num_stages=3))  # Triton's default, as launched
+        config = gemv.default_config(8192, None, variant == "norm_silu", 2 if dtype == "bf16" else 4)
+        cases.append(_sm90_case(f"{variant}-{dtype}", dtype, variant, config))
+    for (rows, in_features, silu), config in gemv.MEASURED_TILES.items():
+        for variant in ["norm_silu"] if silu else ["norm", "add"]:
+            cases.append(_sm90_case(f"{variant}-bf16-{rows}x{in_features}", "bf16", variant, config))
     return cases
 
 
@@ -173,6 +190,14 @@ def test_gemv_kernel_compiles_for_sm90():
 
 
 # -- which models take the GEMV layers ---------------------------------------------------------------------
+
+
+def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
+    assert gemv.default_config(2048, 2048, False, 2) == gemv.TileConfig(4, 2048, 4)
+    assert gemv.default_config(2048, 2048, False, 4) == gemv.TileConfig(8, 1024, 8)  # fp32: the general rule
+    assert gemv.default_config(2048, 16384, True, 2) == gemv.TileConfig(16, 256, 4)
+    assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up
+    assert gemv.default_config(100, 20) == gemv.TileConfig(8, 128, 8)
 
 
 @pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),

@@ -166,12 +166,38 @@ def _gemv_kernel(
     tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
 
 
-def default_config(in_features: int) -> TileConfig:
-    """Measured on the H200 (profiles/bench_gemv.py sweep, one row): 8 outputs a program, K
-    slices of 1024, 8 warps came within 5 % of the best tile on every matrix (the loads are not
-    software-pipelined, so each slice must carry many bytes; few outputs a program keep enough
-    programs in flight for the smallest matrices)."""
-    return TileConfig(block_n=8, block_k=min(1024, max(16, triton.next_power_of_2(in_features))), num_warps=8)
+#: Tiles measured fastest on the H200 for the bundled presets' matrices (profiles/results/gemv_tiles_h200.json:
+#: each matrix as the decode layer runs it, launched as dependents, 22 tiles each), 16-bit weights:
+#: (weight rows, in_features, SiLU * up epilogue) -> tile. Per layer, one token: Llama-3.2-1B 40.9 ->
+#: 37.3 us, Llama-3-8B 125.7 -> 117.2 us, SmolLM2-135M 8.9 -> 8.3 us against ``default_config``'s rule.
+MEASURED_TILES = {
+    (3072, 2048, False): TileConfig(8, 1024, 4),  # Llama-3.2-1B QKV
+    (2048, 2048, False): TileConfig(4, 2048, 4),  # 1B O
+    (16384, 2048, True): TileConfig(16, 256, 4),  # 1B gate/up
+    (2048, 8192, False): TileConfig(8, 2048, 4),  # 1B down
+    (6144, 4096, False): TileConfig(8, 1024, 8),  # Llama-3-8B QKV
+    (4096, 4096, False): TileConfig(16, 1024, 4),  # 8B O
+    (28672, 4096, True): TileConfig(8, 1024, 4),  # 8B gate/up
+    (4096, 14336, False): TileConfig(16, 1024, 4),  # 8B down
+    (960, 576, False): TileConfig(16, 1024, 8),  # SmolLM2-135M QKV
+    (576, 576, False): TileConfig(16, 1024, 8),  # SmolLM2 O
+    (3072, 576, True): TileConfig(8, 1024, 4),  # SmolLM2 gate/up
+    (576, 1536, False): TileConfig(4, 2048, 4),  # SmolLM2 down
+}
+
+
+def default_config(in_features: int, weight_rows: int | None = None, silu_mul: bool = False,
+                   element_size: int = 2) -> TileConfig:
+    """The tile for a ``[weight_rows, in_features]`` weight: the measured one (``MEASURED_TILES``) for
+    16-bit weights of a measured shape, else 8 outputs a program, K slices of up to 1024, and 8
+    warps (4 with SiLU * up, whose programs carry gate and up tiles), which came within ~10 % of the
+    best tile on most measured matrices (the loads are not software-pipelined, so each slice must
+    carry many bytes; few outputs a program keep enough programs in flight for the smallest matrices)."""
+    measured = MEASURED_TILES.get((weight_rows, in_features, silu_mul)) if element_size == 2 else None
+    if measured is not None:
+        return measured
+    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
+    return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
 
 
 def linear_gemv(
@@ -198,9 +224,10 @@ def linear_gemv(
     * ``EPILOGUE_ADD_TO_OUT``: ``out`` ([M, N_w], required) += the linear output, in place.
 
     Any M up to 65535 is correct; one row is what it is fast for. ``out`` must not share memory with
-    x. Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
-    CUDA graph. ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose
-    tail then overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
+    x. ``config``: the tile (default: ``default_config``'s for the weight's shape). Nothing is
+    allocated when ``out`` is given, and the launch depends on shapes only: safe inside a CUDA graph.
+    ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
+    overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
@@ -235,7 +262,7 @@ def linear_gemv(
         raise ValueError("out must not share memory with x: programs would read x while others write out")
     if rows == 0:
         return out
-    config = config or default_config(in_features)
+    config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
     _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
