@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.kernels.dependent_launch import wait_for_previous_kernel
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -461,10 +461,9 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         FP8_DOT_F16=fp8_dot_f16 and kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32,
-        PDL=dependent_launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=dependent_launch,
+        **launch_options(dependent_launch),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -480,9 +479,8 @@ def paged_decode_attention(
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            PDL=dependent_launch,
             num_warps=4,
-            launch_pdl=dependent_launch,
+            **launch_options(dependent_launch),
         )
     return out
 

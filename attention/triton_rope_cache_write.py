@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.kernels.dependent_launch import wait_for_previous_kernel
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.rounding import round_to
 
 from .triton_cache_write import _round_to_e4m3_grid
@@ -161,6 +161,6 @@ def rope_and_write_kv_cache(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_BLOCK=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         HALF_BLOCK=triton.next_power_of_2(head_size // 2),
-        WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, PDL=dependent_launch,
-        num_warps=4, launch_pdl=dependent_launch,
+        WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        **launch_options(dependent_launch),
     )

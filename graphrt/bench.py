@@ -166,7 +166,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             kv = kv_bytes_read(eager_engine, batch_size, context)
             fused = eager_engine.fused_kernels
             gemv_layers = eager_engine.model.runs_gemv_layers(batch_size)
-            dependent_launch = eager_engine.dependent_launch
+            launched_as_dependents = eager_engine.dependent_launch
             del eager_engine, batch
             graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
@@ -188,7 +188,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
                 tokens_per_s=round(batch_size / best * 1e3, 1),
                 capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
                 unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
-                gemv_layers=gemv_layers, dependent_launch=dependent_launch,
+                gemv_layers=gemv_layers, dependent_launch=launched_as_dependents,
             ))
             print(format_row(rows[-1]), flush=True)
     return {

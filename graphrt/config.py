@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +169,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def triton_interpreter_on() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton to run kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

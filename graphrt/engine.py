@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 
 import torch
@@ -15,7 +14,7 @@ from graphrt.capture import DecodeGraphRunner
 
 from . import nvtx
 from .block_manager import BlockManager
-from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, triton_interpreter_on
 from .errors import ConfigError, InvalidRequestError
 from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from .loader import load_weights_into, open_checkpoint
@@ -28,10 +27,6 @@ from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-def _triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
-
 
 #: Longest single sequence the GPU memory profile prefills (the batch is split into such sequences).
 _PROFILE_SEQ_LEN = 2048
@@ -51,7 +46,7 @@ class LLMEngine:
             self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
             self.attention_backend = get_attention_backend(config.attention_backend, self.device)
             self.fused_kernels = self.device.type == "cuda" if config.fused_kernels is None else config.fused_kernels
-            if self.fused_kernels and self.device.type == "cpu" and not _triton_interpreter_on():
+            if self.fused_kernels and self.device.type == "cpu" and not triton_interpreter_on():
                 raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
                                   "interpreter (TRITON_INTERPRET=1, slow: meant for tests)")
             self.dependent_launch = self._resolve_dependent_launch()

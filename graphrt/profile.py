@@ -457,7 +457,8 @@ def profile_decode(
         notes.append(f"decode steps that ran eagerly although graphs were on: {unexpected}")
     if engine.dependent_launch:
         notes.append("kernels ran as programmatic dependents: each starts while the one before finishes and "
-                     "waits for it, so kernel times overlap and include that wait (--plain-launch separates them)")
+                     "waits for it, so kernel times overlap and include that wait (--plain-launch separates them, "
+                     "and moves batch-1 layers over 256 MB to cuBLAS)")
     return _rounded({
         "model": model,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -6,8 +6,9 @@ For the decoder matrices of Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), on
    epilogue; launched as dependents) for every tile of ``SWEEP_TILES``, against ``F.linear``;
 2. per layer, at one row, what the fused decode path runs without the GEMV kernels (add+RMSNorm
    kernel, cuBLAS QKV; cuBLAS O; add+RMSNorm, cuBLAS gate/up, SiLU*up kernel; cuBLAS down) against
-   the GEMV kernels that take those neighbours in, launched plainly, as dependents, and as
-   dependents with the sweep's best tile per matrix; and the LM head with the final norm.
+   the GEMV kernels that take those neighbours in, launched plainly and as dependents with
+   ``gemv.general_config``'s tiles, and as dependents with the sweep's best tile per matrix; and the
+   LM head with the final norm.
 
 Every timing is a CUDA-graph replay of the op over enough weight copies (>= 256 MB) that the weights
 stream from HBM as in a real step, so a time includes each kernel's in-graph latency. Medians of 20
@@ -109,7 +110,7 @@ def sweep(results: dict) -> None:
             timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
             best = min(timed, key=timed.get)
             row["best"], row["best_us"] = best, timed[best]
-            row["default"] = "{0.block_n}x{0.block_k} w{0.num_warps}".format(gemv.default_config(k))
+            row["default"] = "{0.block_n}x{0.block_k} w{0.num_warps}".format(gemv.general_config(k, name == "gate_up"))
             row["default_us"] = timed.get(row["default"])
             results["best_tiles"].setdefault(model, {})[name] = next(
                 c for c in SWEEP_TILES if f"{c.block_n}x{c.block_k} w{c.num_warps}" == best).__dict__.copy()
@@ -155,7 +156,8 @@ def layer(results: dict, rows_list) -> None:
                 def run():
                     for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
                                             ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
-                        config = gemv.TileConfig(**tiles[name]) if name in tiles else None
+                        config = (gemv.TileConfig(**tiles[name]) if name in tiles
+                                  else gemv.general_config(x.shape[1], name == "gate_up"))
                         layer_op(name, x, w, out, norm_w, eps, config=config, **launch)
                 return run
 

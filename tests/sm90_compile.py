@@ -25,7 +25,8 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
     Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
     ``num_stages``, optionally ``launch_pdl``. Returns, per case, ``{"shared": bytes, "dependency_waits": n,
-    "dependency_launches": n}`` (grid dependency control instructions in its PTX) or ``{"error": text}``.
+    "dependency_launches": n, "loads_before_wait": n or None}`` (grid dependency control instructions in
+    its PTX, and global loads placed before the first wait) or ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
@@ -33,6 +34,21 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     if done.returncode:
         raise RuntimeError(f"the sm_90 compile process failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False) -> dict:
+    """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
+    "norm", "norm_silu" or "add" (as tests/test_gemv.py names them); ``config`` a ``gemv.TileConfig``."""
+    from graphrt.kernels import gemv
+
+    pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
+    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
+    epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
+    constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl)
+    return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
+                signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
+                num_warps=config.num_warps, num_stages=3, launch_pdl=pdl)  # stages: Triton's default, as launched
 
 
 def _compile(case: dict) -> dict:
@@ -52,8 +68,10 @@ def _compile(case: dict) -> dict:
     except Exception as error:  # reported per case; the test names the case
         return {"error": f"{type(error).__name__}: {error}"[-3000:]}
     ptx = compiled.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
-            "dependency_launches": ptx.count("griddepcontrol.launch_dependents")}
+            "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
+            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global")}
 
 
 if __name__ == "__main__":

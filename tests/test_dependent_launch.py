@@ -29,10 +29,11 @@ def _case(name, module, kernel, signature, constexprs, num_warps=4):
 
 def _cases(pdl: bool) -> list[dict]:
     """One launch specialisation of each kernel the decode path launches as a dependent (bf16)."""
-    gemv = _case("gemv-norm-silu", "graphrt.kernels.gemv", "_gemv_kernel",
-                 {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")},
-                  **{n: "i32" for n in ("stride_x", "stride_w", "stride_out", "N", "K")}, "eps": "fp32"},
-                 dict(NORM=True, EPILOGUE=2, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, PDL=pdl), num_warps=8)
+    from sm90_compile import gemv_case
+
+    from graphrt.kernels.gemv import general_config
+
+    gemv = gemv_case("gemv-norm-silu", "bf16", "norm_silu", general_config(2048, silu_mul=True), pdl)
     rope = _case("rope-cache-write", "graphrt.attention.triton_rope_cache_write", "_rope_cache_write_kernel",
                  {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_qkv_row": "i32", "stride_table_row": "i32",
@@ -55,9 +56,10 @@ def _cases(pdl: bool) -> list[dict]:
     return [gemv, rope, split, reduce]
 
 
-def test_dependent_kernels_compile_for_sm90_with_their_wait():
+def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     """Launched as dependents, each kernel's PTX holds the grid dependency wait (and the early launch
-    of its own dependents); launched plainly, neither instruction."""
+    of its own dependents) with no global load before the wait, except the GEMV's loads of its first
+    weight slice; launched plainly, neither instruction."""
     from sm90_compile import compile_for_sm90
 
     dependent, plain = _cases(True), _cases(False)
@@ -67,6 +69,23 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait():
         expected = 1 if case["constexprs"]["PDL"] else 0
         assert min(result["dependency_waits"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
+    loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
+    assert loads_first.pop("gemv-norm-silu") > 0  # the first weight slice (gate and up), requested early
+    assert set(loads_first.values()) == {0}, loads_first
+
+
+@pytest.mark.parametrize("device,capability,hip,interpreter,expected", [
+    ("cuda", (9, 0), None, False, True), ("cuda", (10, 0), None, False, True), ("cuda", (8, 9), None, False, False),
+    ("cuda", (9, 4), "6.2", False, False), ("cuda", (9, 0), None, True, False), ("cpu", (9, 0), None, False, False),
+])
+def test_dependent_launch_is_available_on_nvidia_sm90_and_later_only(monkeypatch, device, capability, hip,
+                                                                      interpreter, expected):
+    from graphrt.kernels import dependent_launch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(dependent_launch, "triton_interpreter_on", lambda: interpreter)
+    assert dependent_launch.dependent_launch_available(device) is expected
 
 
 def test_engine_refuses_dependent_launch_where_it_cannot_run():
@@ -115,6 +134,7 @@ def test_chained_gemv_graph_gives_the_same_bits_as_dependents(dtype, hidden, int
         with torch.cuda.graph(graph):
             run(residual, dependent_launch)
         residual.copy_(start)
+        act.fill_(float("nan"))  # a kernel reading act before its producer finished would spread NaNs
         graph.replay()
         torch.cuda.synchronize()
         results[dependent_launch] = residual.clone()

@@ -153,27 +153,19 @@ def test_linear_gemv_rejects_bad_shapes():
 # -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
 
 
-def _sm90_case(name, dtype, variant, config):
-    pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
-    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
-    constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE={"norm_silu": 2, "add": 1}.get(variant, 0),
-                      HAS_BIAS=variant == "bias", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      PDL=False)  # dependent launches: tests/test_dependent_launch.py
-    return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
-                signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
-                num_warps=config.num_warps, num_stages=3)  # Triton's default, as launched
-
-
 def _sm90_cases():
     """Every launch specialisation linear_gemv makes: the general tile at the largest K slice, bf16
-    and fp32, each variant; every measured tile (16-bit weights only) with the epilogues it serves."""
+    and fp32, each variant, launched plainly and as a dependent; every measured tile (16-bit weights
+    only) with the epilogues it serves, as the decode path launches it on sm_90 (a dependent)."""
+    from sm90_compile import gemv_case
+
     cases = []
-    for dtype, variant in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"]):
-        config = gemv.default_config(8192, None, variant == "norm_silu", 2 if dtype == "bf16" else 4)
-        cases.append(_sm90_case(f"{variant}-{dtype}", dtype, variant, config))
+    for dtype, variant, pdl in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"], [False, True]):
+        config = gemv.general_config(8192, variant == "norm_silu")
+        cases.append(gemv_case(f"{variant}-{dtype}{'-dependent' if pdl else ''}", dtype, variant, config, pdl))
     for (rows, in_features, silu), config in gemv.MEASURED_TILES.items():
         for variant in ["norm_silu"] if silu else ["norm", "add"]:
-            cases.append(_sm90_case(f"{variant}-bf16-{rows}x{in_features}", "bf16", variant, config))
+            cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True))
     return cases
 
 

@@ -20,29 +20,37 @@ Rules every kernel launched with ``launch_pdl=True`` here follows:
 Measured on the H200 (profiles/notes_fusion.md, change 7): a layer's four batch-1 GEMV kernels
 43.7 -> 40.7 us (Llama-3.2-1B), 13.1 -> 8.8 us (SmolLM2-135M), with identical outputs.
 
-Kernels import nothing from here at Triton import time on machines without it: ``wait_for_previous_kernel``
-compiles to nothing when ``PDL`` is False, which is what the CPU interpreter (which has no grid
-dependency control) always gets.
+The grid dependency instructions are compiled only into launches with ``PDL=True``; the CPU
+interpreter, which has none, always gets ``PDL=False``. A kernel's ``PDL`` constexpr and Triton's
+``launch_pdl`` option must agree (launched early without the wait, a kernel would race the one
+before it), so launch sites take both from ``launch_options``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from graphrt.config import triton_interpreter_on
+
 
 def dependent_launch_available(device: torch.device | str) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependents: a CUDA device of
-    compute capability 9.0 or later, a Triton with grid dependency control, not the CPU interpreter."""
+    """Whether kernels on ``device`` can be launched as programmatic dependents: an NVIDIA GPU of
+    compute capability 9.0 or later (ROCm builds report AMD GPUs as CUDA devices too), a Triton with
+    grid dependency control, not the CPU interpreter."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"):
+    if device.type != "cuda" or torch.version.hip is not None or triton_interpreter_on():
         return False
     if not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(dependent_launch: bool) -> dict:
+    """The keyword arguments a kernel launch takes for ``dependent_launch``: the kernel's ``PDL``
+    constexpr and Triton's ``launch_pdl`` option, always equal."""
+    return {"PDL": dependent_launch, "launch_pdl": dependent_launch}
 
 
 @triton.jit
@@ -54,4 +62,4 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["dependent_launch_available", "wait_for_previous_kernel"]
+__all__ = ["dependent_launch_available", "launch_options", "wait_for_previous_kernel"]

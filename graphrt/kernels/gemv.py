@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import launch_options
 from .rounding import round_to
 
 #: Tokens up to which the model runs its layers on these kernels (see the module docstring).
@@ -50,12 +51,18 @@ MAX_ROWS = 1
 MAX_LAYER_BYTES = 256 << 20
 
 
+#: Largest decoder layer the model runs on these kernels launched as programmatic dependents: they won
+#: at every measured size (profiles/results/gemv_launch_h200.json: 8.8 against 21.6 us at 7 MB, 40.7
+#: against 52.1 at 122 MB, 124.9 against 129.5 at 436 MB, the largest measured, Llama-3-8B), so the
+#: bound sits just above that; larger layers keep cuBLAS until measured.
+MAX_DEPENDENT_LAYER_BYTES = 512 << 20
+
+
 def beats_cublas(layer_weight_bytes: int, dependent_launch: bool) -> bool:
     """Whether a one-token decoder layer of ``layer_weight_bytes`` runs faster on these kernels than on
-    cuBLAS with the separate norm and SiLU kernels. Launched as programmatic dependents they won at
-    every measured size (profiles/results/gemv_launch_h200.json: 8.8 against 21.6 us at 7 MB, 40.7
-    against 52.1 at 122 MB, 124.9 against 129.5 at 436 MB); launched plainly, up to ``MAX_LAYER_BYTES``."""
-    return dependent_launch or layer_weight_bytes <= MAX_LAYER_BYTES
+    cuBLAS with the separate norm and SiLU kernels, as measured: up to ``MAX_DEPENDENT_LAYER_BYTES``
+    when launched as programmatic dependents, up to ``MAX_LAYER_BYTES`` when launched plainly."""
+    return layer_weight_bytes <= (MAX_DEPENDENT_LAYER_BYTES if dependent_launch else MAX_LAYER_BYTES)
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
@@ -169,7 +176,8 @@ def _gemv_kernel(
 #: Tiles measured fastest on the H200 for the bundled presets' matrices (profiles/results/gemv_tiles_h200.json:
 #: each matrix as the decode layer runs it, launched as dependents, 22 tiles each), 16-bit weights:
 #: (weight rows, in_features, SiLU * up epilogue) -> tile. Per layer, one token: Llama-3.2-1B 40.9 ->
-#: 37.3 us, Llama-3-8B 125.7 -> 117.2 us, SmolLM2-135M 8.9 -> 8.3 us against ``default_config``'s rule.
+#: 37.3 us, Llama-3-8B 125.7 -> 117.2 us, SmolLM2-135M 8.9 -> 8.3 us against the 8x1024, 8-warp tile on
+#: every matrix.
 MEASURED_TILES = {
     (3072, 2048, False): TileConfig(8, 1024, 4),  # Llama-3.2-1B QKV
     (2048, 2048, False): TileConfig(4, 2048, 4),  # 1B O
@@ -186,18 +194,23 @@ MEASURED_TILES = {
 }
 
 
+def general_config(in_features: int, silu_mul: bool = False) -> TileConfig:
+    """The tile for shapes nobody measured: 8 outputs a program, K slices of up to 1024, 8 warps (4
+    with SiLU * up, whose programs carry gate and up tiles). On the twelve measured matrices
+    (profiles/results/gemv_tiles_h200.json) it came within 10 % of the best tile on five and up to
+    46 % off on the others (SmolLM2 down 2.68 against 1.83 us), hence ``MEASURED_TILES``; the loads are
+    not software-pipelined, so each slice must carry many bytes, and few outputs a program keep
+    enough programs in flight for the smallest matrices."""
+    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
+    return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
+
+
 def default_config(in_features: int, weight_rows: int | None = None, silu_mul: bool = False,
                    element_size: int = 2) -> TileConfig:
     """The tile for a ``[weight_rows, in_features]`` weight: the measured one (``MEASURED_TILES``) for
-    16-bit weights of a measured shape, else 8 outputs a program, K slices of up to 1024, and 8
-    warps (4 with SiLU * up, whose programs carry gate and up tiles), which came within ~10 % of the
-    best tile on most measured matrices (the loads are not software-pipelined, so each slice must
-    carry many bytes; few outputs a program keep enough programs in flight for the smallest matrices)."""
+    16-bit weights of a measured shape, else ``general_config``'s."""
     measured = MEASURED_TILES.get((weight_rows, in_features, silu_mul)) if element_size == 2 else None
-    if measured is not None:
-        return measured
-    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
-    return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
+    return measured if measured is not None else general_config(in_features, silu_mul)
 
 
 def linear_gemv(
@@ -267,7 +280,7 @@ def linear_gemv(
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=dependent_launch,
-        num_warps=config.num_warps, launch_pdl=dependent_launch,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        **launch_options(dependent_launch),
     )
     return out

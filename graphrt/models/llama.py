@@ -106,6 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=fused_kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.dependent_launch = dependent_launch
         self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels, dependent_launch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
@@ -143,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         elif hidden is not None:
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
-        launch = {"dependent_launch": attention.dependent_launch}
+        launch = {"dependent_launch": self.dependent_launch}
         qkv = kernels.linear_gemv(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
                                    norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, **launch)
         attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
