@@ -2,7 +2,8 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test.
+# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
+# profiles the 8B's batch-1 step with plain and dependent launches.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -56,6 +57,15 @@ for stage in $stages; do
         log "profile $1 batch $2"
         graphrt profile --model "random:$1" --batch-size "$2" --trace "/tmp/trace_$1_$2.json.gz" \
           --json "$OUT/profile_$1_b$2.json" | head -45
+      done
+      ;;
+    profile-8b)
+      # The 8B batch-1 step did not speed up with the measured GEMV tiles although its layers did in
+      # bench_gemv (notes_fusion.md, "Where it stands"): per-kernel times with plain launches, then as run.
+      for launch in "--plain-launch" ""; do
+        log "profile llama-3-8b batch 1 ${launch:-(dependent launches)}"
+        graphrt profile --model random:llama-3-8b --batch-size 1 $launch --trace "/tmp/trace_8b_b1$launch.json.gz" \
+          --json "$OUT/profile_llama-3-8b_b1${launch:+_plain}.json" | head -45
       done
       ;;
     host)
