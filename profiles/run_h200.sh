@@ -61,8 +61,9 @@ for stage in $stages; do
       ;;
     profile-8b)
       # The 8B batch-1 step did not speed up with the measured GEMV tiles although its layers did in
-      # bench_gemv (notes_fusion.md, "Where it stands"): per-kernel times with plain launches, then as run.
-      for launch in "--plain-launch" ""; do
+      # bench_gemv (notes_fusion.md, "Where it stands"): the step as run (GEMV layers, dependent launches;
+      # kernel times include their waits), then plainly launched (its layers then on cuBLAS) to compare.
+      for launch in "" "--plain-launch"; do
         log "profile llama-3-8b batch 1 ${launch:-(dependent launches)}"
         graphrt profile --model random:llama-3-8b --batch-size 1 $launch --trace "/tmp/trace_8b_b1$launch.json.gz" \
           --json "$OUT/profile_llama-3-8b_b1${launch:+_plain}.json" | head -45
