@@ -50,7 +50,6 @@ MAX_ROWS = 1
 #: little faster. The bound lies between the measured sizes (nothing near it, nor float32, was measured).
 MAX_LAYER_BYTES = 256 << 20
 
-
 #: Largest decoder layer the model runs on these kernels launched as programmatic dependents: they won
 #: at every measured size (profiles/results/gemv_launch_h200.json: 8.8 against 21.6 us at 7 MB, 40.7
 #: against 52.1 at 122 MB, 124.9 against 129.5 at 436 MB, the largest measured, Llama-3-8B), so the
@@ -63,6 +62,7 @@ def beats_cublas(layer_weight_bytes: int, dependent_launch: bool) -> bool:
     cuBLAS with the separate norm and SiLU kernels, as measured: up to ``MAX_DEPENDENT_LAYER_BYTES``
     when launched as programmatic dependents, up to ``MAX_LAYER_BYTES`` when launched plainly."""
     return layer_weight_bytes <= (MAX_DEPENDENT_LAYER_BYTES if dependent_launch else MAX_LAYER_BYTES)
+
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
@@ -146,10 +146,8 @@ def _gemv_kernel(
     # would synchronise the warps every slice. The first slice's weights were loaded above.
     x = _row_slice(x_row, norm_w_ptr, k_offsets, K, inv_rms, NORM, dtype)
     acc = w_first.to(tl.float32) * x
-    if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too
+    if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too (acc_up exists only then)
         acc_up = up_first.to(tl.float32) * x
-    else:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(BLOCK_K, K, BLOCK_K):
         k_cols = k + k_offsets
         x = _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM, dtype)
