@@ -10,7 +10,10 @@ window, so tiles outside the window are never visited). It walks its slice in ti
 tokens (a tile may span several cache blocks), loads each K/V tile once for all ``H / KVH`` query heads
 of the group (padded to 16 rows so both products run on the tensor cores), and keeps an online softmax.
 With one split it normalises and writes ``out`` directly; otherwise it writes its running max, sum and
-unnormalised output to a ``DecodeWorkspace`` and a second kernel merges the splits.
+unnormalised output to a ``DecodeWorkspace`` and counts itself in at the workspace's arrival counter of
+its (sequence, kv head): the split that arrives last merges the group's partials and writes ``out``, then
+sets the counter back to zero for the next launch. One kernel per attention call, not a split kernel and
+a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time.
 
 CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` chosen on the host from the batch
 size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the data. Slice
@@ -116,7 +119,7 @@ def choose_num_splits(
     * ``resident < base < 2.5 * resident``: pick 1-4 splits for the fullest last wave, each split
       keeping at least 4 x ``MIN_TOKENS_PER_SPLIT`` tokens (at 512 tokens, 3 splits ran 2.58 TB/s,
       none 2.89).
-    * larger: no split (the last wave's loss is small; a split costs a reduce launch and partials).
+    * larger: no split (the last wave's loss is small; a split costs its partials and the merge).
 
     No split gets fewer than ``MIN_TOKENS_PER_SPLIT`` tokens of the captured (window-limited) context.
     """
@@ -143,12 +146,15 @@ class DecodeWorkspace:
     """Per-split partial results, allocated once at the largest batch a graph will see.
 
     max_logits, exp_sums: [max_batch, H, max_splits] float32 (base-2 logits);
-    partial_out: [max_batch, H, max_splits, D] float32 (unnormalised, already times ``v_scale``).
+    partial_out: [max_batch, H, max_splits, D] float32 (unnormalised, already times ``v_scale``);
+    arrivals: [max_batch, H] int32, splits finished per (sequence, kv head) (column = kv head; H >= KVH
+    columns), zero between launches: the split kernel's last program of a group resets its count.
     """
 
     max_logits: torch.Tensor
     exp_sums: torch.Tensor
     partial_out: torch.Tensor
+    arrivals: torch.Tensor
 
     @classmethod
     def allocate(
@@ -164,6 +170,7 @@ class DecodeWorkspace:
             max_logits=torch.empty(stats, dtype=torch.float32, device=device),
             exp_sums=torch.empty(stats, dtype=torch.float32, device=device),
             partial_out=torch.empty(stats + (head_size,), dtype=torch.float32, device=device),
+            arrivals=torch.zeros((max_batch, num_heads), dtype=torch.int32, device=device),
         )
 
     @property
@@ -186,6 +193,7 @@ def _decode_split_kernel(
     m_ptr,  # [max_batch, H, max_splits] float32 (written when num_splits > 1)
     l_ptr,  # same
     acc_ptr,  # [max_batch, H, max_splits, D] float32
+    arrivals_ptr,  # [max_batch, H] int32, zero on entry (used when num_splits > 1)
     stride_qb,
     stride_qh,
     stride_kv_kind,
@@ -196,6 +204,7 @@ def _decode_split_kernel(
     stride_oh,
     stride_wb,  # workspace strides (max_logits / exp_sums); partial_out adds a D axis
     stride_wh,
+    stride_arrivals,
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,
     window,
@@ -207,6 +216,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write ``out`` directly
+    GROUP_MERGE: tl.constexpr,  # GROUP padded to a power of two (the merge's head tile)
+    SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
+    SPLITS_CHUNK: tl.constexpr,  # splits the merge loads at once (bounds its registers)
     USE_ALIBI: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -297,46 +309,73 @@ def _decode_split_kernel(
         tl.store(m_ptr + stat, m_i, mask=row_ok)
         tl.store(l_ptr + stat, l_i, mask=row_ok)
         tl.store(acc_ptr + stat[:, None] * HEAD_SIZE + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        # Count this split in. One thread performs a scalar atomic: the barrier orders every thread's
+        # partial stores before its release, and its acquire (the count is broadcast to the others)
+        # orders the merge's loads after the other splits' stores.
+        tl.debug_barrier()
+        counter = arrivals_ptr + seq.to(tl.int64) * stride_arrivals + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split is in: ready for the next launch
+            _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh, stride_wb,
+                          stride_wh, num_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, SPLITS_CHUNK)
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _merge_splits(
     out_ptr,  # [B, H, D]
     m_ptr,  # [max_batch, H, max_splits] float32
     l_ptr,
     acc_ptr,  # [max_batch, H, max_splits, D] float32
+    seq,
+    first_head,
     stride_ob,
     stride_oh,
     stride_wb,
     stride_wh,
     num_splits,
+    GROUP: tl.constexpr,
+    GROUP_MERGE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLITS_CHUNK: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    """Merges the ``num_splits`` partials of heads ``first_head .. first_head + GROUP`` of sequence
+    ``seq`` and writes their rows of ``out``. The partials were written by other programs of this
+    launch: loaded with ``.cg`` (from L2, never a stale L1 line)."""
+    rows = tl.arange(0, GROUP_MERGE)
+    row_ok = rows < GROUP
+    heads = first_head + rows
+    head_stat = seq.to(tl.int64) * stride_wb + heads * stride_wh  # [GROUP_MERGE]
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
+    stat_ok = row_ok[:, None] & (splits < num_splits)[None, :]
+    # Empty splits (short sequences) left max = -inf, sum = 0 and a zero output: they get weight 0.
+    m = tl.load(m_ptr + head_stat[:, None] + splits[None, :], mask=stat_ok, other=float("-inf"),
+                cache_modifier=".cg")
+    l = tl.load(l_ptr + head_stat[:, None] + splits[None, :], mask=stat_ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, axis=1)  # [GROUP_MERGE]; finite for real heads (seq_len >= 1)
+    denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp2(m - m_all[:, None]), 0.0), axis=1)
+
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    stat = seq.to(tl.int64) * stride_wb + head * stride_wh + splits
-    # Empty splits (short sequences) left max = -inf, sum = 0: they get weight 0.
-    m = tl.load(m_ptr + stat, mask=split_ok, other=float("-inf"))
-    l = tl.load(l_ptr + stat, mask=split_ok, other=0.0)
-    m_all = tl.max(m, axis=0)
-    weight = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    denom = tl.sum(l * weight, axis=0)
-    acc = tl.load(
-        acc_ptr + stat[:, None] * HEAD_SIZE + dims[None, :],
-        mask=(split_ok & (m > float("-inf")))[:, None] & dim_ok[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], axis=0) / denom
-    out_row = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh
-    tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    chunk = tl.arange(0, SPLITS_CHUNK)
+    out = tl.zeros([GROUP_MERGE, HEAD_PAD], tl.float32)
+    for first_split in range(0, num_splits, SPLITS_CHUNK):
+        chunk_stat = head_stat[:, None] + (first_split + chunk)[None, :]  # [GROUP_MERGE, SPLITS_CHUNK]
+        chunk_ok = row_ok[:, None] & ((first_split + chunk) < num_splits)[None, :]
+        m_chunk = tl.load(m_ptr + chunk_stat, mask=chunk_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.where(m_chunk > float("-inf"), tl.exp2(m_chunk - m_all[:, None]), 0.0)
+        partial = tl.load(acc_ptr + chunk_stat[:, :, None] * HEAD_SIZE + dims[None, None, :],
+                          mask=chunk_ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        out += tl.sum(partial * weight[:, :, None], axis=1)
+    out = out / denom[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+#: Partial-output elements the merge loads at once (its registers: 64 float32 a thread at 4 warps).
+_MERGE_TILE_ELEMENTS = 8192
 
 
 def paged_decode_attention(
@@ -415,15 +454,20 @@ def paged_decode_attention(
             workspace.max_batch < batch
             or workspace.max_splits < num_splits
             or workspace.partial_out.shape[1:] != (num_heads, workspace.max_splits, head_size)
+            or workspace.arrivals.shape != (workspace.max_batch, num_heads)
         ):
             raise ValueError(
                 f"workspace {tuple(workspace.partial_out.shape)} is too small for batch {batch}, "
                 f"{num_heads} heads, {num_splits} splits, head size {head_size}"
             )
         m_buf, l_buf, acc_buf = workspace.max_logits, workspace.exp_sums, workspace.partial_out
+        arrivals = workspace.arrivals
     else:
         m_buf = l_buf = acc_buf = out  # not touched by the single-split path
+        arrivals = seq_lens
     head_pad = triton.next_power_of_2(head_size)
+    group_merge = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(num_splits)
     use_alibi = alibi_slopes is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
@@ -435,6 +479,7 @@ def paged_decode_attention(
         m_buf,
         l_buf,
         acc_buf,
+        arrivals,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -445,6 +490,7 @@ def paged_decode_attention(
         out.stride(1),
         m_buf.stride(0) if num_splits > 1 else 0,
         m_buf.stride(1) if num_splits > 1 else 0,
+        arrivals.stride(0),
         float(scale) * float(k_scale) * _LOG2E,
         float(v_scale),
         int(sliding_window or 0),
@@ -456,6 +502,9 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
+        GROUP_MERGE=group_merge,
+        SPLITS_PAD=splits_pad,
+        SPLITS_CHUNK=max(1, min(splits_pad, _MERGE_TILE_ELEMENTS // (group_merge * head_pad))),
         USE_ALIBI=use_alibi,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
@@ -465,23 +514,6 @@ def paged_decode_attention(
         num_stages=cfg.num_stages,
         **launch_options(dependent_launch),
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            out,
-            m_buf,
-            l_buf,
-            acc_buf,
-            out.stride(0),
-            out.stride(1),
-            m_buf.stride(0),
-            m_buf.stride(1),
-            num_splits,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-            **launch_options(dependent_launch),
-        )
     return out
 
 

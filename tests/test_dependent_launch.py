@@ -43,17 +43,15 @@ def _cases(pdl: bool) -> list[dict]:
     split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
                   {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                    "alibi_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                   "arrivals_ptr": "*i32",
                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kv_token", "stride_bt", "stride_ob",
-                                         "stride_oh", "stride_wb", "stride_wh", "window", "num_splits")},
+                                         "stride_oh", "stride_wb", "stride_wh", "stride_arrivals", "window",
+                                         "num_splits")},
                    "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
-                       SINGLE_SPLIT=False, USE_ALIBI=False, USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False,
-                       FP8_DOT_F16=False, PDL=pdl))
-    reduce = _case("decode-reduce", "graphrt.attention.triton_paged_decode", "_decode_reduce_kernel",
-                   {"out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                    **{n: "i32" for n in ("stride_ob", "stride_oh", "stride_wb", "stride_wh", "num_splits")}},
-                   dict(HEAD_SIZE=64, HEAD_PAD=64, SPLITS_PAD=16, PDL=pdl))
-    return [gemv, rope, split, reduce]
+                       SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
+                       USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
+    return [gemv, rope, split]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():

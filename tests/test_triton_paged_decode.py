@@ -188,6 +188,20 @@ def test_shorter_real_lengths_than_the_captured_maximum():
     check(Case(3, 4, 1, 64, 16, [1, 17, 9], torch.float16, max_seq_len=200), seed=5)
 
 
+def test_last_split_merges_and_leaves_the_workspace_ready():
+    """The split that arrives last merges its group's partials (in chunks of splits when the group's
+    partials exceed one load: 8 heads x 256 channels take 4 splits at a time, 6 splits here), and every
+    arrival counter is back at zero afterwards, so a second launch on the same workspace is right too."""
+    case = Case(2, 8, 1, 256, 16, [50, 9], num_splits=6)
+    workspace = tpd.DecodeWorkspace.allocate(2, 8, 256, max_splits=8, device=DEVICE)
+    workspace.partial_out.fill_(float("nan"))  # stale partials must never be read
+    for seed in (21, 22):
+        inputs = make_inputs(case, seed)
+        out = run_kernel(case, inputs, workspace=workspace)
+        assert relative_error(out, reference(case, inputs)) < TOLERANCE[case.dtype]
+        assert not workspace.arrivals.any(), workspace.arrivals
+
+
 def test_workspace_is_required_in_size():
     case = Case(2, 4, 2, 64, 16, [40, 40], torch.float16, num_splits=4)
     inputs = make_inputs(case, seed=6)
@@ -284,6 +298,23 @@ def test_fp8_products_in_fp16_on_gpu(dtype):
             v_scale=inputs["v_scale"], fp8_dot_f16=True,
         )
         assert relative_error(out, reference(case, inputs)) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch,kv_heads,head_size,length", [(1, 8, 64, 4096), (1, 3, 64, 512), (4, 8, 128, 5000),
+                                                             (64, 8, 128, 700)])
+def test_split_merge_is_deterministic_on_gpu(batch, kv_heads, head_size, length):
+    """Fifty launches on one workspace give the same bits as the first: a merge that read a partial before
+    its split had stored it, or a counter left non-zero, would show as a difference or NaN."""
+    case = Case(batch, kv_heads * 4, kv_heads, head_size, 16, [length - i for i in range(batch)])
+    inputs = make_inputs(case, seed=batch + length)
+    workspace = tpd.DecodeWorkspace.allocate(batch, case.num_heads, head_size, device=DEVICE)
+    first = run_kernel(case, inputs, workspace=workspace)
+    assert relative_error(first, reference(case, inputs)) < TOLERANCE[case.dtype]
+    for _ in range(50):
+        assert torch.equal(run_kernel(case, inputs, workspace=workspace), first)
+    assert not workspace.arrivals.any()
 
 
 @pytest.mark.gpu
