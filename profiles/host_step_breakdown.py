@@ -1,5 +1,6 @@
-"""Where the host time of one replayed decode step goes: static-buffer refresh, the graph launch call,
-and the wait for the sampled tokens, beside the replay's GPU time (CUDA events).
+"""Where the host time of one replayed decode step goes: static-buffer refresh (and, of it, the one
+host-to-device copy call alone), the graph launch call, and the wait for the sampled tokens, beside the
+replay's GPU time (CUDA events).
 
     python profiles/host_step_breakdown.py --model random:llama-3.2-1b --batch-size 1 --context 512
 
@@ -33,7 +34,8 @@ def measure(args) -> dict:
     graph = runner.graphs[(padded, "greedy")]
     for _ in range(5):
         runner.decode(batch)
-    parts = {"refresh": [], "launch": [], "wait_tokens": [], "decode_call": [], "replay_gpu": []}
+    parts = {"refresh": [], "upload": [], "launch": [], "wait_tokens": [], "decode_call": [], "replay_gpu": []}
+    staging = runner.graph_state.packed
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -48,6 +50,10 @@ def measure(args) -> dict:
         parts["wait_tokens"].append(t3 - t2)
         torch.cuda.synchronize()
         t4 = time.perf_counter()
+        staging.upload(staging.bytes_through("block_tables", padded))  # the refresh's copy, as it issues it
+        parts["upload"].append(time.perf_counter() - t4)
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
         runner.decode(batch)
         parts["decode_call"].append(time.perf_counter() - t4)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,6 +62,16 @@ def measure(args) -> dict:
         end.record()
         end.synchronize()
         parts["replay_gpu"].append(start.elapsed_time(end) / 1e3)
+    if args.cprofile:  # the host functions a decode call spends its time in (the GPU wait shows as tolist)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            runner.decode(batch)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     return {"model": args.model, "batch_size": args.batch_size, "context": args.context,
             "fused_kernels": engine.fused_kernels, "dependent_launch": engine.dependent_launch,
             **{f"{k}_us": _median_us(v) for k, v in parts.items()}}
@@ -68,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--json", help="write the medians to this file")
+    parser.add_argument("--cprofile", action="store_true", help="also print the host functions of decode calls")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_step_breakdown: needs a CUDA device", file=sys.stderr)

@@ -70,9 +70,9 @@ for stage in $stages; do
       done
       ;;
     host)
-      for spec in "llama-3.2-1b 1 512" "llama-3.2-1b 64 512" "llama-3.2-1b 64 4096" "smollm2-135m 1 512"; do
+      for spec in "llama-3.2-1b 1 512 --cprofile" "llama-3.2-1b 64 512" "llama-3.2-1b 64 4096" "smollm2-135m 1 512"; do
         set -- $spec
-        python profiles/host_step_breakdown.py --model "random:$1" --batch-size "$2" --context "$3"
+        python profiles/host_step_breakdown.py --model "random:$1" --batch-size "$2" --context "$3" ${4:-}
       done
       ;;
     nvtx)
