@@ -51,13 +51,20 @@ def _cases(pdl: bool) -> list[dict]:
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
                        SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
                        USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
-    return [gemv, rope, split]
+    qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
+                     {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
+                      "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
+                      **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")},
+                      "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
+                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, PDL=pdl))
+    return [gemv, rope, split, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     """Launched as dependents, each kernel's PTX holds the grid dependency wait (and the early launch
-    of its own dependents) with no global load before the wait, except the GEMV's loads of its first
-    weight slice; launched plainly, neither instruction."""
+    of its own dependents) with no global load before the wait, except the GEMV kernels' loads of their
+    first weight slice; launched plainly, neither instruction."""
     from sm90_compile import compile_for_sm90
 
     dependent, plain = _cases(True), _cases(False)
@@ -69,6 +76,7 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
     assert loads_first.pop("gemv-norm-silu") > 0  # the first weight slice (gate and up), requested early
+    assert loads_first.pop("qkv-rope-cache") > 0  # its first weight slice (both halves of its channels)
     assert set(loads_first.values()) == {0}, loads_first
 
 

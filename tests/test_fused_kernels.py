@@ -215,7 +215,7 @@ def test_rope_cache_write_fp8_gpu():
 def test_fused_engine_matches_unfused(dtype, monkeypatch):
     """Same greedy tokens and (nearly) the same logits from the fused and the unfused model, over
     prompts of different lengths decoding together, and over one prompt decoding alone (the one-row
-    GEMV layers of ``graphrt.kernels.gemv``)."""
+    GEMV layers of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel)."""
     from graphrt import LLM, SamplingParams
     from graphrt.kernels import gemv
     from hf_reference import graphrt_greedy_with_logits
@@ -223,6 +223,10 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
     gemv_rows = []  # the token count of every GEMV call
     linear_gemv = gemv.linear_gemv
     monkeypatch.setattr(gemv, "linear_gemv", lambda x, *a, **k: gemv_rows.append(x.shape[0]) or linear_gemv(x, *a, **k))
+    qkv_rows = []  # the token count of every fused QKV + rotary + cache-write call
+    project = rope_write.project_rope_and_write_kv_cache
+    monkeypatch.setattr(rope_write, "project_rope_and_write_kv_cache",
+                        lambda x, *a, **k: qkv_rows.append(x.shape[0]) or project(x, *a, **k))
 
     prompts = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -237,6 +241,7 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
         logits[fused] = graphrt_greedy_with_logits(llm, prompts[2], max_tokens=4)[1]
     assert gemv_rows, "the one-row decode never ran the GEMV layers"
     assert set(gemv_rows) == {1}, "a forward of several tokens ran the GEMV layers"
+    assert set(qkv_rows) == {1}, "the one-row layers did not project, rotate and cache in one kernel"
     assert outputs[True] == outputs[False]
     assert drawn[True] == drawn[False]
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.05)

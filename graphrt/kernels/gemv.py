@@ -92,6 +92,76 @@ def _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM: tl.constexpr, dtype:
 
 
 @triton.jit
+def row_products(
+    x_row,  # the row's first element (with NORM: the residual stream, normalised here)
+    w_ptr,
+    stride_w,
+    rows,  # [BLOCK_N] weight rows to multiply with
+    paired_rows,  # [BLOCK_N] a second set of rows (read only with PAIRED)
+    n_mask,  # [BLOCK_N] rows that exist
+    norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    K,
+    eps,
+    NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
+    dtype: tl.constexpr,
+):
+    """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
+    each (without PAIRED the second is the first). Call it first in a kernel: with PDL it lets the next
+    kernel start, loads the first weight slice, then waits for the previous kernel before reading x."""
+    # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
+    # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
+    k_offsets = tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + k_offsets
+    paired_ptrs = w_ptr + paired_rows.to(tl.int64)[:, None] * stride_w + k_offsets
+
+    if PDL:
+        # The next kernel may be scheduled once every program here has started. Weights are static,
+        # so the first slice is loaded before waiting for the previous kernel; x and out are read
+        # and written only after the wait.
+        tl.extra.cuda.gdc_launch_dependents()
+    first_mask = n_mask[:, None] & (k_offsets < K)
+    w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
+    if PAIRED:
+        paired_first = tl.load(paired_ptrs, mask=first_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+    inv_rms = 1.0
+    if NORM:
+        # 1 / rms of the row, recomputed by every program: the row comes from L2.
+        sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k + k_offsets, mask=k + k_offsets < K, other=0.0).to(tl.float32)
+            sum_squares += x * x
+        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
+
+    # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
+    # would synchronise the warps every slice. The first slice's weights were loaded above.
+    x = _row_slice(x_row, norm_w_ptr, k_offsets, K, inv_rms, NORM, dtype)
+    acc = w_first.to(tl.float32) * x
+    if PAIRED:  # acc_paired exists only then
+        acc_paired = paired_first.to(tl.float32) * x
+    for k in range(BLOCK_K, K, BLOCK_K):
+        k_cols = k + k_offsets
+        x = _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM, dtype)
+        w_mask = n_mask[:, None] & (k_cols < K)
+        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
+        acc += w * x
+        if PAIRED:
+            paired_w = tl.load(paired_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
+            acc_paired += paired_w * x
+
+    products = tl.sum(acc, axis=1)
+    paired_products = products
+    if PAIRED:
+        paired_products = tl.sum(acc_paired, axis=1)
+    return products, paired_products
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] rows (with NORM: the residual stream, normalised here)
     w_ptr,  # [N, K], or [2 * N, K] gate then up with SILU_MUL
@@ -115,50 +185,9 @@ def _gemv_kernel(
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
-    # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
-    # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
-    k_offsets = tl.arange(0, BLOCK_K)[None, :]
-    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets
-    up_ptrs = w_ptr + (cols_n + N).to(tl.int64)[:, None] * stride_w + k_offsets  # SILU_MUL's up rows
-
-    if PDL:
-        # The next kernel may be scheduled once every program here has started. Weights are static,
-        # so the first slice is loaded before waiting for the previous kernel; x and out are read
-        # and written only after the wait.
-        tl.extra.cuda.gdc_launch_dependents()
-    first_mask = n_mask[:, None] & (k_offsets < K)
-    w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
-    if EPILOGUE == 2:
-        up_first = tl.load(up_ptrs, mask=first_mask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-    inv_rms = 1.0
-    if NORM:
-        # 1 / rms of the row, recomputed by every program: the row comes from L2.
-        sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k + k_offsets, mask=k + k_offsets < K, other=0.0).to(tl.float32)
-            sum_squares += x * x
-        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
-
-    # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
-    # would synchronise the warps every slice. The first slice's weights were loaded above.
-    x = _row_slice(x_row, norm_w_ptr, k_offsets, K, inv_rms, NORM, dtype)
-    acc = w_first.to(tl.float32) * x
-    if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too (acc_up exists only then)
-        acc_up = up_first.to(tl.float32) * x
-    for k in range(BLOCK_K, K, BLOCK_K):
-        k_cols = k + k_offsets
-        x = _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM, dtype)
-        w_mask = n_mask[:, None] & (k_cols < K)
-        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
-        acc += w * x
-        if EPILOGUE == 2:
-            up_w = tl.load(up_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += up_w * x
-
-    result = tl.sum(acc, axis=1)
+    # With SILU_MUL a program computes gate outputs n and up outputs I + n together.
+    result, up = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, K, eps,
+                              NORM, EPILOGUE == 2, BLOCK_K, PDL, dtype)
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
@@ -166,7 +195,7 @@ def _gemv_kernel(
     if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
         result += tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
-        up = round_to(tl.sum(acc_up, axis=1), dtype).to(tl.float32)
+        up = round_to(up, dtype).to(tl.float32)
         result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
     tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
 
@@ -211,6 +240,33 @@ def default_config(in_features: int, weight_rows: int | None = None, silu_mul: b
     return measured if measured is not None else general_config(in_features, silu_mul)
 
 
+def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                   paired_bias_free: bool = False) -> tuple[int, int]:
+    """Checks a GEMV's inputs (shapes and dtypes as ``linear_gemv`` documents them); returns (M, K).
+    ``paired_bias_free``: the weight's rows come in two halves (gate then up) and take no bias."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
+    rows, in_features = x.shape
+    if rows > _MAX_GRID_ROWS:
+        raise ValueError(f"{rows} rows exceed the launch grid's {_MAX_GRID_ROWS}; use torch.nn.functional.linear")
+    for name, vector in (("bias", bias), ("norm weight", norm_weight)):
+        if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
+            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
+    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
+                         f"{x.dtype} tensor")
+    out_features = weight.shape[0]
+    if paired_bias_free:
+        if out_features % 2 or bias is not None:
+            raise ValueError("SiLU * up needs a bias-free [2 * I, K] gate/up weight")
+        out_features //= 2
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {out_features} output features")
+    if norm_weight is not None and norm_weight.shape != (in_features,):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {in_features} input features")
+    return rows, in_features
+
+
 def linear_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -240,28 +296,10 @@ def linear_gemv(
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
     """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
-    rows, in_features = x.shape
-    if rows > _MAX_GRID_ROWS:
-        raise ValueError(f"{rows} rows exceed the launch grid's {_MAX_GRID_ROWS}; use torch.nn.functional.linear")
     if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL):
         raise ValueError(f"unknown epilogue {epilogue!r}")
-    for name, vector in (("bias", bias), ("norm weight", norm_weight)):
-        if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
-            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
-    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != x.dtype:
-        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
-                         f"{x.dtype} tensor")
-    out_features = weight.shape[0]
-    if epilogue == EPILOGUE_SILU_MUL:
-        if out_features % 2 or bias is not None:
-            raise ValueError("SiLU * up needs a bias-free [2 * I, K] gate/up weight")
-        out_features //= 2
-    if bias is not None and bias.shape != (out_features,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {out_features} output features")
-    if norm_weight is not None and norm_weight.shape != (in_features,):
-        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {in_features} input features")
+    rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL)
+    out_features = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     if out is None:
         if epilogue == EPILOGUE_ADD_TO_OUT:
             raise ValueError("the residual-add epilogue needs out, the tensor to add into")

@@ -51,11 +51,12 @@ class LlamaAttention(nn.Module):
             sliding_window=config.sliding_window,
         )
 
-        self._rope_and_write_cache = None
+        self._rope_and_write_cache = self._project_rope_and_write_cache = None
         if fused_kernels:
-            from graphrt.attention.triton_rope_cache_write import rope_and_write_kv_cache
+            from graphrt.attention import triton_rope_cache_write
 
-            self._rope_and_write_cache = rope_and_write_kv_cache
+            self._rope_and_write_cache = triton_rope_cache_write.rope_and_write_kv_cache
+            self._project_rope_and_write_cache = triton_rope_cache_write.project_rope_and_write_kv_cache
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
@@ -73,6 +74,22 @@ class LlamaAttention(nn.Module):
             qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
             self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=self.dependent_launch,
         )
+        return self.attend_rotated(qkv, kv_cache, attn_metadata)
+
+    def project_and_attend(self, positions, residual, norm: RMSNorm, kv_cache,
+                           attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """A few tokens (fast for one; needs fused kernels): ``norm(residual)`` [T, hidden] projected to
+        q, k and v, rotated and stored in ``kv_cache`` by one kernel, then attention -> [T, q], before
+        the output projection."""
+        qkv = self._project_rope_and_write_cache(
+            residual, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
+            kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+            norm_weight=norm.weight, eps=norm.eps, dependent_launch=self.dependent_launch,
+        )
+        return self.attend_rotated(qkv, kv_cache, attn_metadata)
+
+    def attend_rotated(self, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, q + 2 kv] with q and k rotated, k and v already in ``kv_cache`` -> [T, q]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True,
                                  dependent_launch=self.dependent_launch)
@@ -131,10 +148,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
         """The same layer for a single token (decode at batch 1) on matrix-vector kernels: QKV with
-        the input norm fused in, rotary + cache write, attention, O adding into the residual stream,
-        gate/up with the norm and SiLU * up, down adding into the stream; four linear kernels where
-        ``forward`` runs four GEMMs, two norms, SiLU * up and (cuBLAS's) a split-K reduce
-        (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
+        the input norm, rotary and cache write fused in, attention, O adding into the residual stream,
+        gate/up with the norm and SiLU * up, down adding into the stream; five kernels where
+        ``forward`` runs four GEMMs, two norms, rotary + cache write, SiLU * up, attention and (cuBLAS's)
+        a split-K reduce (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
         Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
         the stream, updated in place, carries everything."""
         if self._gemv is None:
@@ -145,9 +162,7 @@ class LlamaDecoderLayer(nn.Module):
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
-        qkv = kernels.linear_gemv(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
-                                   norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, **launch)
-        attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
+        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
         kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
                             epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         activated = kernels.linear_gemv(

@@ -1,0 +1,199 @@
+"""The QKV projection with rotary embedding and cache write in one kernel
+(``triton_rope_cache_write.project_rope_and_write_kv_cache``) against the two kernels it replaces: the
+GEMV (``graphrt.kernels.gemv.linear_gemv``, tested against float64) followed by
+``rope_and_write_kv_cache`` (tested bit for bit against the torch rotary embedding).
+
+The two sum the projection in float32 in tiles of different shapes, so a projected value may sit one
+rounding of the model dtype away, and the rotation mixes each channel with its partner in the other
+half of the head: the bound per element is a rounding of the projection, of its partner and of the
+result. The cache is checked exactly: it must hold the kernel's own k and v rows at the real tokens'
+slots (fp8: those rows quantised) and its poison everywhere else. Fresh random inputs; outputs and
+caches poisoned first. Small shapes on the CPU under Triton's interpreter, model shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
+from graphrt.kernels import gemv  # noqa: E402
+from graphrt.models.layers import RotaryEmbedding  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
+
+gemv = interpreted(gemv, "_gemv_kernel")
+rope_write = interpreted(rope_write, "_qkv_rope_cache_kernel")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FP8 = torch.float8_e4m3fn
+EPS = 1e-5
+BLOCK_SIZE = 16
+#: One rounding of each dtype, relative (float32: its float32 sums in two orders, K <= 4096).
+UNIT = {torch.float32: 2**-17, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
+          cache_dtype=None, with_cache=True, seed=0):
+    cache_dtype = cache_dtype or dtype
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    kv_size = num_kv_heads * head_size
+    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
+    weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
+    qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
+    norm_weight = _randn(hidden, dtype=dtype, seed=seed + 3) if norm else None
+    rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    num_blocks = num_tokens // BLOCK_SIZE + 3
+    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen)[:num_tokens] + BLOCK_SIZE
+    slots[1::3] = -1  # CUDA-graph padding rows: rotated, never stored
+    slots = slots.to(DEVICE)
+    poison = float("nan") if cache_dtype != FP8 else 448.0  # e4m3 has no inf; NaN bits are 0x7f
+    cache = None
+    if with_cache:
+        cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
+    poisoned_cache = None if cache is None else cache.clone()
+
+    projected = gemv.linear_gemv(x, weight, qkv_bias, norm_weight=norm_weight, eps=EPS)
+    want = projected.clone()
+    rope_write.rope_and_write_kv_cache(want, positions, rotary.cos, rotary.sin, None, None, num_heads,
+                                       num_kv_heads, head_size)
+    out = torch.full((num_tokens, width), float("nan"), dtype=dtype, device=DEVICE)
+    got = rope_write.project_rope_and_write_kv_cache(
+        x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
+        norm_weight=norm_weight, eps=EPS, out=out,
+    )
+    assert got.data_ptr() == out.data_ptr()
+    assert not got.isnan().any(), "an output element was never written"
+
+    unit = UNIT[dtype]
+    halves = projected.double().view(num_tokens, -1, 2, head_size // 2)
+    partner = halves.flip(2).reshape(num_tokens, width)
+    allowed = 2 * unit * (projected.double().abs() + partner.abs() + want.double().abs()) + 1e-6
+    excess = (got.double() - want.double()).abs() - allowed
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} elements off; worst at "
+                               f"{divmod(worst, width)}: {got.flatten()[worst].item()} vs {want.flatten()[worst].item()}")
+
+    if with_cache:
+        expected_cache = poisoned_cache.clone()
+        keep = slots >= 0
+        flat = expected_cache.view(2, -1, kv_size)
+        k_rows, v_rows = got[:, num_heads * head_size:].split(kv_size, dim=-1)
+        for kind, rows in ((0, k_rows), (1, v_rows)):
+            rows = rows[keep].float()
+            flat[kind, slots[keep]] = rows.clamp(-448, 448).to(FP8) if cache_dtype == FP8 else rows.to(cache_dtype)
+        torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+def test_head_sizes(head_size, dtype):
+    check(2, 2, 1, head_size, 64, dtype, seed=head_size)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (3, 3), (6, 2), (9, 3)])
+def test_gqa_ratios(num_heads, num_kv_heads):
+    check(1, num_heads, num_kv_heads, 64, 80, torch.bfloat16, seed=num_heads)
+
+
+def test_bias_and_long_rows():
+    """A QKV bias (Qwen2) and a row longer than one K slice (the last slice partial)."""
+    check(1, 4, 2, 64, 1100, torch.float32, bias=True, seed=3)
+
+
+def test_without_norm():
+    check(2, 4, 2, 64, 64, torch.bfloat16, norm=False, seed=4)
+
+
+def test_fp8_cache():
+    check(4, 2, 1, 64, 64, torch.bfloat16, cache_dtype=FP8, seed=5)
+
+
+def test_without_cache_only_projects_and_rotates():
+    check(2, 4, 2, 64, 64, torch.bfloat16, with_cache=False, seed=6)
+
+
+def test_tile_stays_inside_half_a_head():
+    """A program's channels never straddle two heads' halves: its tile divides D / 2."""
+    for head_size in (64, 80, 96, 112, 128, 256, 6):
+        for in_features, width in ((2048, 3072), (4096, 6144), (576, 960), (96, 1000)):
+            tile = rope_write.qkv_tile(in_features, width, head_size, 2)
+            assert (head_size // 2) % tile.block_n == 0, (head_size, in_features, width, tile)
+
+
+def test_rejects_bad_input():
+    x = _randn(1, 64, dtype=torch.float32, seed=0)
+    rotary = RotaryEmbedding(64, 16, 10000.0, None, device=DEVICE)
+    positions = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="fused QKV weight"):
+        rope_write.project_rope_and_write_kv_cache(x, _randn(100, 64, dtype=torch.float32, seed=1), None, positions,
+                                                   rotary.cos, rotary.sin, None, None, 4, 2, 64)
+    weight = _randn(8 * 64, 64, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="positions"):
+        rope_write.project_rope_and_write_kv_cache(x, weight, None, positions.int(), rotary.cos, rotary.sin, None,
+                                                   None, 4, 2, 64)
+    shared = _randn(1, 64 + 8 * 64, dtype=torch.float32, seed=2)
+    with pytest.raises(ValueError, match="share memory"):
+        rope_write.project_rope_and_write_kv_cache(shared[:, :64], weight, None, positions, rotary.cos, rotary.sin,
+                                                   None, None, 4, 2, 64, out=shared[:, 64:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden,bias", [
+    (32, 8, 64, 2048, False),  # Llama-3.2-1B
+    (32, 8, 128, 4096, False),  # Llama-3-8B
+    (9, 3, 64, 576, False),  # SmolLM2-135M
+    (28, 4, 128, 3584, True),  # Qwen2-7B (QKV bias)
+    (16, 4, 80, 1280, False), (16, 2, 96, 1536, False), (8, 8, 256, 2048, False), (12, 4, 112, 1344, False),
+], ids=lambda v: str(v))
+def test_model_shapes_gpu(num_tokens, num_heads, num_kv_heads, head_size, hidden, bias, dtype):
+    check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, bias=bias, seed=head_size + num_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fp8_cache_gpu():
+    check(1, 32, 8, 128, 4096, torch.bfloat16, cache_dtype=FP8, seed=11)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(32, 8, 64, 2048), (32, 8, 128, 4096),
+                                                                     (9, 3, 64, 576), (16, 2, 80, 1280)])
+def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
+    """The GPU compiler accepts the kernel at the presets' tiles (the interpreter checks less), with an fp8
+    cache and in float32 too, launched as a dependent."""
+    from sm90_compile import compile_for_sm90
+
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    cases = []
+    for dtype, cache, bias in (("bf16", "bf16", False), ("bf16", "fp8e4nv", True), ("fp32", "fp32", False)):
+        tile = rope_write.qkv_tile(hidden, width, head_size, 4 if dtype == "fp32" else 2)
+        pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr")}
+        cases.append(dict(
+            name=f"{dtype}-{cache}", module="graphrt.attention.triton_rope_cache_write", kernel="_qkv_rope_cache_kernel",
+            signature={**pointers, "cache_ptr": f"*{cache}", "positions_ptr": "*i64", "cos_ptr": "*fp32",
+                       "sin_ptr": "*fp32", "slot_ptr": "*i64", "stride_cache_kind": "i64", "eps": "fp32",
+                       "inv_k_scale": "fp32", "inv_v_scale": "fp32",
+                       **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")}},
+            constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=True,
+                            HAS_BIAS=bias, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
+                            BLOCK_K=tile.block_k, PDL=True),
+            num_warps=tile.num_warps, num_stages=3, launch_pdl=True))
+    for case, result in zip(cases, compile_for_sm90(cases)):
+        assert "error" not in result, (case["name"], result)
+        assert result["dependency_waits"] >= 1, case["name"]
