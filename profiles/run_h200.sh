@@ -14,7 +14,7 @@ for stage in $stages; do
   case $stage in
     tests)
       log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py tests/test_dependent_launch.py \
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py tests/test_dependent_launch.py tests/test_qkv_rope_cache.py tests/test_triton_paged_decode.py \
         tests/test_gpu_engine.py tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
       ;;
     tests-all)
