@@ -3,7 +3,7 @@
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
-# profiles the 8B's batch-1 step with plain and dependent launches.
+# profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -50,6 +50,10 @@ for stage in $stages; do
     gemv)
       log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
       python profiles/bench_gemv.py --json "$OUT/gemv.json"
+      ;;
+    gemv-tma)
+      log "batch-1 GEMV: register loads against TMA-pipelined weight slices"
+      python profiles/bench_gemv_tma.py --json "$OUT/gemv_tma.json"
       ;;
     profile)
       for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do
