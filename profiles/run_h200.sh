@@ -3,7 +3,8 @@
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
-# profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment.
+# profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
+# few-rows the 2-16-row kernel's sweep.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -51,6 +52,10 @@ for stage in $stages; do
       log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
       python profiles/bench_gemv.py --json "$OUT/gemv.json"
       ;;
+    few-rows)
+      log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"
+      python profiles/bench_few_rows.py --json "$OUT/few_rows.json"
+      ;;
     gemv-tma)
       log "batch-1 GEMV: register loads against TMA-pipelined weight slices"
       python profiles/bench_gemv_tma.py --json "$OUT/gemv_tma.json"
@@ -74,6 +79,7 @@ for stage in $stages; do
       done
       ;;
     host)
+      python profiles/pinned_copy_probe.py
       for spec in "llama-3.2-1b 1 512 --cprofile" "llama-3.2-1b 64 512" "llama-3.2-1b 64 4096" "smollm2-135m 1 512"; do
         set -- $spec
         python profiles/host_step_breakdown.py --model "random:$1" --batch-size "$2" --context "$3" ${4:-}
