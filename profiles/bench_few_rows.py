@@ -1,6 +1,11 @@
-"""Decode layers at 2-16 rows: the few-rows tensor-core kernel (``graphrt.kernels.gemm_few_rows``, its
-neighbours fused in, launched as dependents) against what the fused decode path runs there today
-(add + RMSNorm kernels, cuBLAS GEMMs, the SiLU * up kernel).
+"""Experiment: decode layers at 2-16 rows on a tensor-core kernel that takes the layer's neighbours
+along, against what the fused decode path runs there (add + RMSNorm kernels, cuBLAS GEMMs, the SiLU *
+up kernel). It lost for the 1B and 8B (profiles/notes_fusion.md, change 11; results/few_rows_h200.json),
+so the kernel lives here, not in graphrt.
+
+The kernel pads the rows to 16 (the tensor cores' smallest tile) and multiplies W[BLOCK_N, K] @ x^T, so
+each weight slice is read once for all rows, the weight loads multi-buffered by Triton (cp.async); the
+GEMV's prologue (RMSNorm) and epilogues (SiLU * up, residual add) are fused as in graphrt.kernels.gemv.
 
 For Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), one run measures:
 
@@ -13,24 +18,173 @@ For Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), one run measures:
 Timings as in bench_gemv.py: CUDA-graph replays over enough weight copies (>= 256 MB) that weights
 stream from HBM, medians of 20 replays.
 
-    python profiles/bench_few_rows.py --json profiles/results/few_rows_h200.json
-"""
+    python profiles/bench_few_rows.py --json profiles/results/few_rows_h200.json"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from bench_gemv import DTYPE, MATRICES, MODELS, shape, time_graph, weights
 
 from graphrt.bench import measure_read_bandwidth
 from graphrt.kernels import gemv
 from graphrt.kernels.activation import silu_and_mul
-from graphrt.kernels.gemm_few_rows import DEFAULT_TILE, FewRowsTile, linear_few_rows
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.rms_norm import rms_norm
+from graphrt.kernels.rounding import round_to
+
+#: Rows a launch takes at most: the padded tile of the product.
+ROWS_PAD = 16
+
+
+@dataclass(frozen=True)
+class FewRowsTile:
+    """Outputs a program computes, K slice, warps, and weight slices in flight a program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+#: Until measured per shape: 32 outputs, K slices of 128, 4 warps, 4 slices in flight.
+DEFAULT_TILE = FewRowsTile(32, 128, 4, 4)
+
+
+@triton.jit
+def _few_rows_kernel(
+    x_ptr,  # [M, K] rows (with NORM: the residual stream, normalised here)
+    w_ptr,  # [N, K], or [2 * N, K] gate then up with SILU_MUL
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    out_ptr,  # [M, N]; with ADD_TO_OUT read and updated in place
+    stride_x,
+    stride_w,
+    stride_out,
+    eps,
+    M,
+    N,
+    K,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,  # M padded (>= 16)
+    DOT_F32: tl.constexpr,  # products in float32: fp32 models, and the CPU interpreter's 16-bit dots
+    PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
+):
+    wait_for_previous_kernel(PDL)
+    dtype = out_ptr.dtype.element_ty
+    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols_n < N
+    rows_m = tl.arange(0, ROWS)
+    m_mask = rows_m < M
+    k_offsets = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_x + k_offsets[None, :]  # [ROWS, BLOCK_K]
+    w_ptrs = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w + k_offsets[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w  # SILU_MUL's up rows
+
+    inv_rms = tl.full([ROWS], 1.0, tl.float32)
+    if NORM:
+        # 1 / rms of each row, recomputed by every program: the rows come from L2.
+        sum_squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_ptrs + k, mask=m_mask[:, None] & (k + k_offsets < K)[None, :], other=0.0).to(tl.float32)
+            sum_squares += x * x
+        inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)
+
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    if EPILOGUE == 2:  # EPILOGUE_SILU_MUL: the up outputs too (acc_up exists only then)
+        acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = k + k_offsets < K
+        w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:  # as rms_norm_torch rounds it: weight * (x * inv_rms).to(dtype), rounded to dtype
+            norm_w = tl.load(norm_w_ptr + k + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
+            x = round_to(norm_w[None, :] * round_to(x.to(tl.float32) * inv_rms[:, None], dtype).to(tl.float32),
+                         dtype)
+        if DOT_F32:
+            x_t = tl.trans(x.to(tl.float32))
+            acc = tl.dot(w.to(tl.float32), x_t, acc, input_precision="ieee")
+            if EPILOGUE == 2:
+                up_w = tl.load(up_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_up = tl.dot(up_w.to(tl.float32), x_t, acc_up, input_precision="ieee")
+        else:
+            x_t = tl.trans(x.to(w.dtype))
+            acc = tl.dot(w, x_t, acc)
+            if EPILOGUE == 2:
+                up_w = tl.load(up_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_up = tl.dot(up_w, x_t, acc_up)
+
+    result = acc  # [BLOCK_N, ROWS]: output n of row m at [n, m]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
+    out_ptrs = out_ptr + rows_m.to(tl.int64)[None, :] * stride_out + cols_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
+        result += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
+        up = round_to(acc_up, dtype).to(tl.float32)
+        result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
+    tl.store(out_ptrs, round_to(result, dtype), mask=out_mask)
+
+
+def linear_few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    epilogue: int = gemv.EPILOGUE_STORE,
+    out: torch.Tensor | None = None,
+    tile: FewRowsTile | None = None,
+    dependent_launch: bool = False,
+) -> torch.Tensor:
+    """``linear(x, weight, bias)`` for 1 to ``ROWS_PAD`` rows, optionally with RMSNorm before and SiLU *
+    up or a residual add after, in one kernel; arguments, shapes and dtypes as
+    ``graphrt.kernels.gemv.linear_gemv``'s. ``tile``: the launch's tiling (default ``DEFAULT_TILE``).
+    Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
+    CUDA graph."""
+    if epilogue not in (gemv.EPILOGUE_STORE, gemv.EPILOGUE_ADD_TO_OUT, gemv.EPILOGUE_SILU_MUL):
+        raise ValueError(f"unknown epilogue {epilogue!r}")
+    rows, in_features = gemv.check_operands(x, weight, bias, norm_weight,
+                                            paired_bias_free=epilogue == gemv.EPILOGUE_SILU_MUL)
+    if rows > ROWS_PAD:
+        raise ValueError(f"{rows} rows exceed the {ROWS_PAD} this kernel takes; use torch.nn.functional.linear")
+    out_features = weight.shape[0] // 2 if epilogue == gemv.EPILOGUE_SILU_MUL else weight.shape[0]
+    if out is None:
+        if epilogue == gemv.EPILOGUE_ADD_TO_OUT:
+            raise ValueError("the residual-add epilogue needs out, the tensor to add into")
+        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
+                         "contiguous columns")
+    elif out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with x: programs would read x while others write out")
+    if rows == 0:
+        return out
+    tile = tile or DEFAULT_TILE
+    _few_rows_kernel[(triton.cdiv(out_features, tile.block_n),)](
+        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
+        x.stride(0), weight.stride(0), out.stride(0), float(eps), rows, out_features, in_features,
+        NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROWS=ROWS_PAD,
+        DOT_F32=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(dependent_launch),
+    )
+    return out
+
 
 SWEEP_TILES = [FewRowsTile(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))] + [
     FewRowsTile(64, 128, 8, 4), FewRowsTile(128, 64, 4, 4), FewRowsTile(128, 128, 8, 3)]
@@ -119,7 +273,8 @@ def layer(results: dict, rows_list) -> None:
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
             print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  few-rows default "
-                  f"{row['few_rows_default_us']:7.2f}  best {row['few_rows_best_us']:7.2f}  floor {row['floor_us']:6.2f}",
+                  f"{row['few_rows_default_us']:7.2f}  best {row['few_rows_best_us']:7.2f}  "
+                  f"floor {row['floor_us']:6.2f}",
                   flush=True)
             results["layer"].append(row)
         del w_qkv, w_o, w_gu, w_down
