@@ -4,7 +4,7 @@
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
-# few-rows the 2-16-row kernel's sweep.
+# few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -51,6 +51,10 @@ for stage in $stages; do
     gemv)
       log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
       python profiles/bench_gemv.py --json "$OUT/gemv.json"
+      ;;
+    decode-splits)
+      log "paged decode split counts at head size 64 (1B, SmolLM2 shapes)"
+      python profiles/bench_decode_splits.py --json "$OUT/decode_splits.json"
       ;;
     few-rows)
       log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"

@@ -1,0 +1,110 @@
+"""Split counts of the paged decode kernel at the decode shapes of the bundled presets (head size 64).
+
+``choose_num_splits`` was measured at head size 128 (profiles/notes_paged_decode.md). At 64 a K/V tile
+carries half the bytes, and the 1B's profile at batch 64, context 512 shows the attention kernel at
+~1.8 TB/s with one split. For each (batch, context) this times the kernel at several split counts and
+prints which the heuristic picks.
+
+    python profiles/bench_decode_splits.py --json profiles/results/decode_splits_h200.json
+
+Each timing is a CUDA-graph replay cycling through enough caches (>= 256 MB of K/V) that none is read
+from L2; median of 20 replays; bandwidth = K/V bytes the step must read / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from graphrt.attention.triton_paged_decode import (
+    DecodeWorkspace,
+    choose_num_splits,
+    default_config,
+    paged_decode_attention,
+    resident_programs,
+)
+
+#: (name, query heads, kv heads, head size) of the presets' attention.
+SHAPES = [("llama-3.2-1b", 32, 8, 64), ("smollm2-135m", 9, 3, 64)]
+POINTS = [(1, 512), (1, 4096), (8, 512), (8, 4096), (64, 512), (64, 4096), (256, 512)]
+SPLITS = (1, 2, 3, 4, 6, 8, 16, 32)
+BLOCK_SIZE = 16
+MIN_BYTES = 256 << 20
+DTYPE = torch.bfloat16
+
+
+def time_point(heads: int, kv_heads: int, head_size: int, batch: int, context: int, splits: int,
+               workspace: DecodeWorkspace) -> float:
+    """Median microseconds of one attention call (cycled over cache copies inside one graph)."""
+    blocks_per_seq = context // BLOCK_SIZE
+    kv_bytes = batch * context * kv_heads * head_size * 2 * 2
+    copies = max(2, -(-MIN_BYTES // kv_bytes))
+    row = BLOCK_SIZE * kv_heads * head_size
+    caches = [torch.randn(2, batch * blocks_per_seq + 1, row, device="cuda", dtype=DTYPE) for _ in range(copies)]
+    tables = (torch.randperm(batch * blocks_per_seq, device="cuda").int() + 1).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, heads, head_size, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(query)
+
+    def call(cache):
+        paged_decode_attention(out, query, cache, tables, seq_lens, context, head_size**-0.5, kv_heads, BLOCK_SIZE,
+                               workspace=workspace, num_splits=splits, dependent_launch=False)
+
+    call(caches[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for cache in caches:
+            call(cache)
+    samples = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / copies)
+    del graph, caches
+    torch.cuda.empty_cache()
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode_splits: needs a CUDA device", file=sys.stderr)
+        return 2
+    results = []
+    for name, heads, kv_heads, head_size in SHAPES:
+        workspace = DecodeWorkspace.allocate(max(b for b, _ in POINTS), heads, head_size, 64, "cuda")
+        resident = resident_programs(default_config(head_size, 2, torch.device("cuda")), head_size, 2,
+                                     torch.device("cuda"))
+        for batch, context in POINTS:
+            chosen = choose_num_splits(batch, kv_heads, context, resident)
+            timings = {}
+            for splits in sorted(set(SPLITS) | {chosen}):
+                if splits * 16 > context:
+                    continue
+                timings[splits] = round(time_point(heads, kv_heads, head_size, batch, context, splits, workspace), 2)
+            best = min(timings, key=timings.get)
+            kv_bytes = batch * context * kv_heads * head_size * 4
+            results.append({"model": name, "batch": batch, "context": context, "chosen_splits": chosen,
+                            "best_splits": best, "us": timings, "kv_bytes": kv_bytes})
+            print(f"{name:13} batch {batch:3} ctx {context:5}: heuristic {chosen:2} splits "
+                  f"{timings.get(chosen, float('nan')):7.2f} us, best {best:2} {timings[best]:7.2f} us "
+                  f"({kv_bytes / timings[best] / 1e6:.2f} TB/s)  all "
+                  + " ".join(f"{s}:{t}" for s, t in timings.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
