@@ -91,7 +91,10 @@ def main() -> int:
             for splits in sorted(set(SPLITS) | {chosen}):
                 if splits * 16 > context:
                     continue
-                timings[splits] = round(time_point(heads, kv_heads, head_size, batch, context, splits, workspace), 2)
+                try:
+                    timings[splits] = round(time_point(heads, kv_heads, head_size, batch, context, splits, workspace), 2)
+                except Exception as error:  # reported, the sweep goes on
+                    print(f"{name} batch {batch} ctx {context} splits {splits}: {error!r:.200}", flush=True)
             best = min(timings, key=timings.get)
             kv_bytes = batch * context * kv_heads * head_size * 4
             results.append({"model": name, "batch": batch, "context": context, "chosen_splits": chosen,
