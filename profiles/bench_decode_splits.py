@@ -92,7 +92,8 @@ def main() -> int:
                 if splits * 16 > context:
                     continue
                 try:
-                    timings[splits] = round(time_point(heads, kv_heads, head_size, batch, context, splits, workspace), 2)
+                    timings[splits] = round(time_point(heads, kv_heads, head_size, batch, context, splits,
+                                                       workspace), 2)
                 except Exception as error:  # reported, the sweep goes on
                     print(f"{name} batch {batch} ctx {context} splits {splits}: {error!r:.200}", flush=True)
             best = min(timings, key=timings.get)
