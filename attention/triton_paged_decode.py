@@ -44,9 +44,12 @@ TILE_BYTES = 64 * 1024
 #: Shared memory a program needs beyond its K/V tile (compiled for sm_90 by triton 3.9: 74,240 B for a
 #: 64 KiB tile). Triton keeps one tile in shared memory (no multi-buffering of these gathered loads).
 _SMEM_OVERHEAD = 9 * 1024
-#: Programs per SM at most, from the registers ptxas reports (sm_90): 16-bit caches use ~128 per
-#: thread at 4 warps (3 programs fit beside the shared memory limit); fp8 caches ~255 (2 programs).
+#: Programs of 4 warps per SM at most, from the registers ptxas reports (sm_90), by cache element size:
+#: 16-bit caches use ~128 registers a thread at head size 128 (3 programs fit beside the shared memory
+#: limit) and 86-104 at head size 64 (4 fit: profiles/results/decode_splits_h200.json measured the
+#: 1B's shapes fastest with the split counts 4 programs an SM give); fp8 caches ~255 (2 programs).
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
+_MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
 _DEFAULT_SMEM = 227 * 1024
 
@@ -97,7 +100,10 @@ def resident_programs(config: DecodeConfig, head_size: int, cache_element_size: 
     """Split-kernel programs the whole device runs at once, estimated from shared memory and registers."""
     sms, smem = _device_limits(device)
     per_program = config.block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
-    cap = _MAX_PROGRAMS_PER_SM.get(cache_element_size, 3) * 4 // config.num_warps
+    by_registers = _MAX_PROGRAMS_PER_SM.get(cache_element_size, 3)
+    if head_size <= 64:
+        by_registers = _MAX_PROGRAMS_PER_SM_SMALL_HEADS.get(cache_element_size, by_registers)
+    cap = by_registers * 4 // config.num_warps
     return sms * max(1, min(cap, smem // per_program))
 
 

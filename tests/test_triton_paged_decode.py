@@ -227,6 +227,18 @@ def test_split_heuristic_uses_host_values_only():
     assert tpd.choose_num_splits(1, 1, 10**6, resident, max_splits=8) == 8
 
 
+def test_resident_programs_follow_registers_and_shared_memory():
+    """Off CUDA the stand-in machine has 4 SMs and Hopper's shared memory: 16-bit caches fit 4 programs
+    an SM at head size 64 (registers), 3 at 128 (shared memory); fp8 caches 2 (registers)."""
+    assert tpd.resident_programs(tpd.default_config(64, 2), 64, 2) == 16
+    assert tpd.resident_programs(tpd.default_config(128, 2), 128, 2) == 12
+    assert tpd.resident_programs(tpd.default_config(64, 1), 64, 1) == 8
+    # The 1B's shapes on an H200 (132 SMs): batch 64 at context 4096 runs unsplit, batch 8 in 8 splits,
+    # both measured fastest (profiles/results/decode_splits_h200.json).
+    assert tpd.choose_num_splits(64, 8, 4096, 132 * 4) == 1
+    assert tpd.choose_num_splits(8, 8, 4096, 132 * 4) == 8
+
+
 def test_default_config_fits_shared_memory():
     for head_size in (64, 80, 96, 112, 128, 256):
         for element_size in (1, 2, 4):
