@@ -24,9 +24,11 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
 
     A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
     Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
-    ``num_stages``, optionally ``launch_pdl``. Returns, per case, ``{"shared": bytes, "dependency_waits": n,
-    "dependency_launches": n, "loads_before_wait": n or None}`` (grid dependency control instructions in
-    its PTX, and global loads placed before the first wait) or ``{"error": text}``.
+    ``num_stages``, optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
+    multiples of 16, as a launch does for such values; pointers always are). Returns, per case,
+    ``{"shared": bytes, "dependency_waits": n, "dependency_launches": n, "loads_before_wait": n or None}``
+    (grid dependency control instructions in its PTX, and global loads placed before the first wait) or
+    ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
@@ -48,7 +50,8 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False) ->
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, PDL=pdl)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
-                num_warps=config.num_warps, num_stages=3, launch_pdl=pdl)  # stages: Triton's default, as launched
+                num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched
+                aligned_ints=list(integers))  # the presets' widths are multiples of 16
 
 
 def _compile(case: dict) -> dict:
@@ -60,8 +63,12 @@ def _compile(case: dict) -> dict:
 
     kernel = getattr(importlib.import_module(case["module"]), case["kernel"])
     signature = {**case["signature"], **{name: "constexpr" for name in case["constexprs"]}}
+    # As a launch specialises them: torch allocations are 16-byte aligned, and so are the integer
+    # arguments the case names (strides and sizes that are multiples of 16).
+    aligned = [name for name, kind in case["signature"].items() if kind.startswith("*")] + case.get("aligned_ints", [])
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     try:
-        compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=case["constexprs"]),
+        compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=case["constexprs"], attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": case["num_warps"], "num_stages": case["num_stages"],
                                            "launch_pdl": case.get("launch_pdl", False)})
