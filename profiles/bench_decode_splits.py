@@ -8,17 +8,17 @@ prints which the heuristic picks.
     python profiles/bench_decode_splits.py --json profiles/results/decode_splits_h200.json
 
 Each timing is a CUDA-graph replay cycling through enough caches (>= 256 MB of K/V) that none is read
-from L2; median of 20 replays; bandwidth = K/V bytes the step must read / time.
+from L2 (``bench_gemv.time_graph``: median of 20 replays); bandwidth = K/V bytes the step must read / time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from bench_gemv import time_graph
 
 from graphrt.attention.triton_paged_decode import (
     DecodeWorkspace,
@@ -54,23 +54,10 @@ def time_point(heads: int, kv_heads: int, head_size: int, batch: int, context: i
         paged_decode_attention(out, query, cache, tables, seq_lens, context, head_size**-0.5, kv_heads, BLOCK_SIZE,
                                workspace=workspace, num_splits=splits, dependent_launch=False)
 
-    call(caches[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for cache in caches:
-            call(cache)
-    samples = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / copies)
-    del graph, caches
+    microseconds = 1e3 * time_graph([lambda cache=cache: call(cache) for cache in caches])
+    del caches
     torch.cuda.empty_cache()
-    return statistics.median(samples)
+    return microseconds
 
 
 def main() -> int:

@@ -31,13 +31,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_gemv import DTYPE, MATRICES, MODELS, shape, time_graph, weights
+from bench_gemv import DTYPE, MATRICES, MODELS, cublas_layers, shape, time_graph, weights
 
 from graphrt.bench import measure_read_bandwidth
 from graphrt.kernels import gemv
-from graphrt.kernels.activation import silu_and_mul
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
-from graphrt.kernels.rms_norm import rms_norm
 from graphrt.kernels.rounding import round_to
 
 #: Rows a launch takes at most: the padded tile of the product.
@@ -243,22 +241,9 @@ def layer(results: dict, rows_list) -> None:
         best = results["best_tiles"].get(model, {})
         for rows in rows_list:
             residual = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
-            hidden_in = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
             attn = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
             act = torch.empty(rows, inter, device="cuda", dtype=DTYPE)
             qkv_out = torch.empty(rows, qkv, device="cuda", dtype=DTYPE)
-            normed = torch.empty(rows, hidden, device="cuda", dtype=DTYPE)
-            res_copy = residual.clone()
-
-            def today(i):
-                def run():
-                    rms_norm(hidden_in, norm_w, EPS, res_copy, out=normed)
-                    torch.mm(normed, w_qkv[i].t(), out=qkv_out)
-                    o = F.linear(attn, w_o[i])
-                    rms_norm(o, norm_w, EPS, res_copy, out=normed)
-                    silu_and_mul(F.linear(normed, w_gu[i]), out=act)
-                    F.linear(act, w_down[i])
-                return run
 
             def few_rows(i, tiles):
                 def run():
@@ -267,7 +252,8 @@ def layer(results: dict, rows_list) -> None:
                         layer_op(name, x, w, out, norm_w, FewRowsTile(**tiles[name]) if name in tiles else None)
                 return run
 
-            row = {"model": model, "rows": rows, "today_us": 1e3 * time_graph([today(i) for i in range(layers)]),
+            today = cublas_layers(w_qkv, w_o, w_gu, w_down, norm_w, EPS, rows)
+            row = {"model": model, "rows": rows, "today_us": 1e3 * time_graph(today),
                    "few_rows_default_us": 1e3 * time_graph([few_rows(i, {}) for i in range(layers)]),
                    "few_rows_best_us": 1e3 * time_graph([few_rows(i, best) for i in range(layers)])}
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)

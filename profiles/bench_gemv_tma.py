@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_gemv import time_graph
 
 #: (name, rows, in_features) of the bundled presets' decode matrices.
 MATRICES = [
@@ -48,26 +48,9 @@ def _gemv_tma_kernel(x_ptr, w_desc, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def _median_us(launch, copies: int, replays: int = 30) -> float:
+def _median_us(launch, copies: int) -> float:
     """Median GPU microseconds a launch, from a graph of ``copies`` launches (one per weight copy)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for index in range(copies):
-            launch(index)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for index in range(copies):
-            launch(index)
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / copies)
-    return statistics.median(samples)
+    return 1e3 * time_graph([lambda index=index: launch(index) for index in range(copies)], replays=30)
 
 
 def measure(name: str, rows: int, in_features: int) -> dict:
