@@ -215,8 +215,8 @@ def project_rope_and_write_kv_cache(
     x: [T, K] (columns contiguous), model dtype; weight: [(H + 2 * KVH) * D, K] contiguous, same dtype;
     bias: None or [(H + 2 * KVH) * D]; norm_weight: None, or [K]: x is RMS-normalised first (``eps``);
     positions, cos, sin, kv_cache, slot_mapping, scales: as ``rope_and_write_kv_cache`` (kv_cache None:
-    rotate only). Returns ``out`` [T, (H + 2 * KVH) * D] (allocated when None; must not share memory
-    with x): q and k rotated, v as projected. Nothing is allocated when ``out`` is given, and the launch
+    rotate only). Returns ``out`` [T, (H + 2 * KVH) * D] (allocated when None; contiguous columns, not
+    sharing memory with x): q and k rotated, v as projected. Nothing is allocated when ``out`` is given, and the launch
     depends on shapes only: safe inside a CUDA graph. ``dependent_launch``: as ``linear_gemv``.
     """
     num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight)
@@ -227,12 +227,7 @@ def project_rope_and_write_kv_cache(
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
     write = _check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
-    if out is None:
-        out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
-    elif out.shape != (num_tokens, width) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous [{num_tokens}, {width}] {x.dtype} tensor")
-    elif out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError("out must not share memory with x: programs would read x while others write out")
+    out = gemv.output_for(x, out, width)
     if num_tokens == 0:
         return out
     config = qkv_tile(in_features, width, head_size, x.element_size())

@@ -161,15 +161,9 @@ def linear_few_rows(
     if rows > ROWS_PAD:
         raise ValueError(f"{rows} rows exceed the {ROWS_PAD} this kernel takes; use torch.nn.functional.linear")
     out_features = weight.shape[0] // 2 if epilogue == gemv.EPILOGUE_SILU_MUL else weight.shape[0]
-    if out is None:
-        if epilogue == gemv.EPILOGUE_ADD_TO_OUT:
-            raise ValueError("the residual-add epilogue needs out, the tensor to add into")
-        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
-                         "contiguous columns")
-    elif out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError("out must not share memory with x: programs would read x while others write out")
+    if out is None and epilogue == gemv.EPILOGUE_ADD_TO_OUT:
+        raise ValueError("the residual-add epilogue needs out, the tensor to add into")
+    out = gemv.output_for(x, out, out_features)
     if rows == 0:
         return out
     tile = tile or DEFAULT_TILE

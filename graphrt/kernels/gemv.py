@@ -267,6 +267,21 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return rows, in_features
 
 
+def output_for(x: torch.Tensor, out: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``out`` checked as the output of a product of x [M, K] (``[M, out_features]``, x's dtype,
+    contiguous columns, not sharing x's memory: programs would read x while others write out), or a new
+    tensor when None."""
+    rows = x.shape[0]
+    if out is None:
+        return torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
+                         "contiguous columns")
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with x: programs would read x while others write out")
+    return out
+
+
 def linear_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -300,15 +315,9 @@ def linear_gemv(
         raise ValueError(f"unknown epilogue {epilogue!r}")
     rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL)
     out_features = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
-    if out is None:
-        if epilogue == EPILOGUE_ADD_TO_OUT:
-            raise ValueError("the residual-add epilogue needs out, the tensor to add into")
-        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, out_features) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {x.dtype} with "
-                         "contiguous columns")
-    elif out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError("out must not share memory with x: programs would read x while others write out")
+    if out is None and epilogue == EPILOGUE_ADD_TO_OUT:
+        raise ValueError("the residual-add epilogue needs out, the tensor to add into")
+    out = output_for(x, out, out_features)
     if rows == 0:
         return out
     config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
