@@ -145,6 +145,9 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="positions"):
         rope_write.project_rope_and_write_kv_cache(x, weight, None, positions.int(), rotary.cos, rotary.sin, None,
                                                    None, 4, 2, 64)
+    with pytest.raises(ValueError, match=r"out \(1, 100\)"):
+        rope_write.project_rope_and_write_kv_cache(x, weight, None, positions, rotary.cos, rotary.sin, None, None,
+                                                   4, 2, 64, out=torch.empty(1, 100, device=DEVICE))
     shared = _randn(1, 64 + 8 * 64, dtype=torch.float32, seed=2)
     with pytest.raises(ValueError, match="share memory"):
         rope_write.project_rope_and_write_kv_cache(shared[:, :64], weight, None, positions, rotary.cos, rotary.sin,
