@@ -380,7 +380,12 @@ def _merge_splits(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-#: Partial-output elements the merge loads at once (its registers: 64 float32 a thread at 4 warps).
+#: Partial-output elements the merge loads at once (64 float32 a thread at 4 warps). The merge shares
+#: the kernel's register allocation: at head size 64, 32+ splits (or a group of 8 with 8+) take the
+#: split kernel from 86 to 128-168 registers (ptxas, sm_90), below the 4 programs an SM that
+#: ``resident_programs`` assumes there; 2048 keeps 86 but merges 32 splits in four passes, not one.
+#: Not changed until measured: the measured points (batch 1 and 8, batch 64 unsplit) are unaffected
+#: or are the 1B's batch 1 at context 4096, which merges 32 splits in one pass with this tile.
 _MERGE_TILE_ELEMENTS = 8192
 
 
@@ -418,8 +423,8 @@ def paged_decode_attention(
     (mandatory inside CUDA-graph capture: this function then allocates nothing). ``num_splits`` and
     ``config`` override the host heuristics (tests, tuning); ``fp8_dot_f16=True`` runs an fp8 cache's
     products in fp16 instead of the query dtype (13 % faster on the H200; see the profiling notes).
-    ``dependent_launch``: launch the kernels as programmatic dependents, each of the kernel before it
-    (see ``graphrt.kernels.dependent_launch``).
+    ``dependent_launch``: launch the kernel as a programmatic dependent of the kernel before it (see
+    ``graphrt.kernels.dependent_launch``).
     """
     batch, num_heads, head_size = query.shape
     if out.shape != query.shape:
@@ -461,10 +466,13 @@ def paged_decode_attention(
             or workspace.max_splits < num_splits
             or workspace.partial_out.shape[1:] != (num_heads, workspace.max_splits, head_size)
             or workspace.arrivals.shape != (workspace.max_batch, num_heads)
+            or workspace.arrivals.dtype != torch.int32
+            or workspace.arrivals.stride(1) != 1
         ):
             raise ValueError(
-                f"workspace {tuple(workspace.partial_out.shape)} is too small for batch {batch}, "
-                f"{num_heads} heads, {num_splits} splits, head size {head_size}"
+                f"workspace (partial_out {tuple(workspace.partial_out.shape)}, arrivals "
+                f"{tuple(workspace.arrivals.shape)} {workspace.arrivals.dtype}) does not fit batch {batch}, "
+                f"{num_heads} heads, {num_splits} splits, head size {head_size}: use DecodeWorkspace.allocate"
             )
         m_buf, l_buf, acc_buf = workspace.max_logits, workspace.exp_sums, workspace.partial_out
         arrivals = workspace.arrivals

@@ -16,8 +16,9 @@ ops are (so both paths give the same bits). Cache layout and the fp8 conversion 
 ``project_rope_and_write_kv_cache`` goes one kernel further for a decode step at batch 1: the QKV
 projection itself (the batch-1 GEMV of ``graphrt.kernels.gemv``, input RMSNorm fused in) computes each
 head's matching first- and second-half outputs in the same program and rotates and stores them in its
-epilogue, so a layer runs one kernel fewer. Its results are the same bits as the GEMV followed by
-``rope_and_write_kv_cache``.
+epilogue, so a layer runs one kernel fewer. Its results are those of the GEMV followed by
+``rope_and_write_kv_cache`` up to a rounding of the projection (its tile differs from the GEMV's, so its
+float32 sums may run in another order; the rotation and the cache write round alike).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def project_rope_and_write_kv_cache(
 ) -> torch.Tensor:
     """The QKV projection of a few tokens (fast for one), rotated and stored in the cache, in one kernel:
     ``linear_gemv(x, weight, bias, norm_weight=...)`` then ``rope_and_write_kv_cache`` on its output,
-    with the same bits.
+    up to a rounding of the projection (see the module docstring).
 
     x: [T, K] (columns contiguous), model dtype; weight: [(H + 2 * KVH) * D, K] contiguous, same dtype;
     bias: None or [(H + 2 * KVH) * D]; norm_weight: None, or [K]: x is RMS-normalised first (``eps``);

@@ -45,7 +45,7 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 
 def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
-          cache_dtype=None, with_cache=True, seed=0):
+          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0):
     cache_dtype = cache_dtype or dtype
     width = (num_heads + 2 * num_kv_heads) * head_size
     kv_size = num_kv_heads * head_size
@@ -73,7 +73,7 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
     out = torch.full((num_tokens, width), float("nan"), dtype=dtype, device=DEVICE)
     got = rope_write.project_rope_and_write_kv_cache(
         x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
-        norm_weight=norm_weight, eps=EPS, out=out,
+        norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out,
     )
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
@@ -93,7 +93,7 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
         flat = expected_cache.view(2, -1, kv_size)
         k_rows, v_rows = got[:, num_heads * head_size:].split(kv_size, dim=-1)
         for kind, rows in ((0, k_rows), (1, v_rows)):
-            rows = rows[keep].float()
+            rows = rows[keep].float() / scales[kind]  # an fp8 cache holds values / their scale
             flat[kind, slots[keep]] = rows.clamp(-448, 448).to(FP8) if cache_dtype == FP8 else rows.to(cache_dtype)
         torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=0, atol=0, equal_nan=True)
 
@@ -119,7 +119,8 @@ def test_without_norm():
 
 
 def test_fp8_cache():
-    check(4, 2, 1, 64, 64, torch.bfloat16, cache_dtype=FP8, seed=5)
+    """Keys and values each divided by their own scale before the e4m3 rounding."""
+    check(4, 2, 1, 64, 64, torch.bfloat16, cache_dtype=FP8, scales=(0.25, 2.0), seed=5)
 
 
 def test_without_cache_only_projects_and_rotates():
@@ -172,7 +173,7 @@ def test_model_shapes_gpu(num_tokens, num_heads, num_kv_heads, head_size, hidden
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fp8_cache_gpu():
-    check(1, 32, 8, 128, 4096, torch.bfloat16, cache_dtype=FP8, seed=11)
+    check(1, 32, 8, 128, 4096, torch.bfloat16, cache_dtype=FP8, scales=(0.25, 2.0), seed=11)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(32, 8, 64, 2048), (32, 8, 128, 4096),
@@ -196,7 +197,8 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
             constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=True,
                             HAS_BIAS=bias, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
                             BLOCK_K=tile.block_k, PDL=True),
-            num_warps=tile.num_warps, num_stages=3, launch_pdl=True))
+            num_warps=tile.num_warps, num_stages=3, launch_pdl=True,
+            aligned_ints=["stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
         assert result["dependency_waits"] >= 1, case["name"]

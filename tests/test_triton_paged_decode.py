@@ -208,6 +208,10 @@ def test_workspace_is_required_in_size():
     small = tpd.DecodeWorkspace.allocate(2, 4, 64, max_splits=2, device=DEVICE)
     with pytest.raises(ValueError, match="workspace"):
         run_kernel(case, inputs, workspace=small)
+    wrong_counters = tpd.DecodeWorkspace.allocate(2, 4, 64, device=DEVICE)
+    wrong_counters.arrivals = wrong_counters.arrivals.long()
+    with pytest.raises(ValueError, match="arrivals"):
+        run_kernel(case, inputs, workspace=wrong_counters)
 
 
 def test_split_heuristic_uses_host_values_only():
@@ -315,13 +319,16 @@ def test_fp8_products_in_fp16_on_gpu(dtype):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("batch,kv_heads,head_size,length", [(1, 8, 64, 4096), (1, 3, 64, 512), (4, 8, 128, 5000),
-                                                             (64, 8, 128, 700)])
+                                                             (16, 8, 128, 3000), (3, 8, 64, 4096)])
 def test_split_merge_is_deterministic_on_gpu(batch, kv_heads, head_size, length):
     """Fifty launches on one workspace give the same bits as the first: a merge that read a partial before
     its split had stored it, or a counter left non-zero, would show as a difference or NaN."""
     case = Case(batch, kv_heads * 4, kv_heads, head_size, 16, [length - i for i in range(batch)])
     inputs = make_inputs(case, seed=batch + length)
     workspace = tpd.DecodeWorkspace.allocate(batch, case.num_heads, head_size, device=DEVICE)
+    resident = tpd.resident_programs(tpd.default_config(head_size, 2, inputs["query"].device), head_size, 2,
+                                     inputs["query"].device)
+    assert tpd.choose_num_splits(batch, kv_heads, length, resident) > 1, "the case must exercise the merge"
     first = run_kernel(case, inputs, workspace=workspace)
     assert relative_error(first, reference(case, inputs)) < TOLERANCE[case.dtype]
     for _ in range(50):
