@@ -6,6 +6,10 @@ carries half the bytes, and the 1B's profile at batch 64, context 512 shows the 
 prints which the heuristic picks.
 
     python profiles/bench_decode_splits.py --json profiles/results/decode_splits_h200.json
+    python profiles/bench_decode_splits.py --merge-tiles 8192 2048 --points 1x4096 2x4096 3x4096 4x4096 8x4096
+
+``--merge-tiles`` repeats the sweep for each size of the merge's tile (``_MERGE_TILE_ELEMENTS``, which
+sets the split kernel's registers at many splits: notes_fusion.md, after change 13).
 
 Each timing is a CUDA-graph replay cycling through enough caches (>= 256 MB of K/V) that none is read
 from L2 (``bench_gemv.time_graph``: median of 20 replays); bandwidth = K/V bytes the step must read / time.
@@ -20,6 +24,7 @@ import sys
 import torch
 from bench_gemv import time_graph
 
+from graphrt.attention import triton_paged_decode
 from graphrt.attention.triton_paged_decode import (
     DecodeWorkspace,
     choose_num_splits,
@@ -63,16 +68,31 @@ def time_point(heads: int, kv_heads: int, head_size: int, batch: int, context: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--merge-tiles", type=int, nargs="*", help="merge tile sizes to sweep (default: as set)")
+    parser.add_argument("--points", nargs="*", help="BATCHxCONTEXT points (default: POINTS)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_splits: needs a CUDA device", file=sys.stderr)
         return 2
+    points = [tuple(int(v) for v in p.split("x")) for p in args.points] if args.points else POINTS
+    results = []
+    for merge_tile in args.merge_tiles or [triton_paged_decode._MERGE_TILE_ELEMENTS]:
+        triton_paged_decode._MERGE_TILE_ELEMENTS = merge_tile  # read by each launch
+        print(f"merge tile {merge_tile} elements", flush=True)
+        results += sweep(points, merge_tile)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def sweep(points, merge_tile: int) -> list[dict]:
     results = []
     for name, heads, kv_heads, head_size in SHAPES:
-        workspace = DecodeWorkspace.allocate(max(b for b, _ in POINTS), heads, head_size, 64, "cuda")
+        workspace = DecodeWorkspace.allocate(max(b for b, _ in points), heads, head_size, 64, "cuda")
         resident = resident_programs(default_config(head_size, 2, torch.device("cuda")), head_size, 2,
                                      torch.device("cuda"))
-        for batch, context in POINTS:
+        for batch, context in points:
             chosen = choose_num_splits(batch, kv_heads, context, resident)
             timings = {}
             for splits in sorted(set(SPLITS) | {chosen}):
@@ -85,16 +105,13 @@ def main() -> int:
                     print(f"{name} batch {batch} ctx {context} splits {splits}: {error!r:.200}", flush=True)
             best = min(timings, key=timings.get)
             kv_bytes = batch * context * kv_heads * head_size * 4
-            results.append({"model": name, "batch": batch, "context": context, "chosen_splits": chosen,
-                            "best_splits": best, "us": timings, "kv_bytes": kv_bytes})
+            results.append({"model": name, "batch": batch, "context": context, "merge_tile": merge_tile,
+                            "chosen_splits": chosen, "best_splits": best, "us": timings, "kv_bytes": kv_bytes})
             print(f"{name:13} batch {batch:3} ctx {context:5}: heuristic {chosen:2} splits "
                   f"{timings.get(chosen, float('nan')):7.2f} us, best {best:2} {timings[best]:7.2f} us "
                   f"({kv_bytes / timings[best] / 1e6:.2f} TB/s)  all "
                   + " ".join(f"{s}:{t}" for s, t in timings.items()), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
-# few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64.
+# few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64,
+# merge-tile the merge's tile size (notes_fusion.md after change 13).
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -55,6 +56,11 @@ for stage in $stages; do
     decode-splits)
       log "paged decode split counts at head size 64 (1B, SmolLM2 shapes)"
       python profiles/bench_decode_splits.py --json "$OUT/decode_splits.json"
+      ;;
+    merge-tile)
+      log "paged decode: the merge's tile (registers) at 1-8 rows, context 4096"
+      python profiles/bench_decode_splits.py --merge-tiles 8192 2048 --points 1x4096 2x4096 3x4096 4x4096 8x4096 \
+        --json "$OUT/merge_tile.json"
       ;;
     few-rows)
       log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"
