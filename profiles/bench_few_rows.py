@@ -126,15 +126,11 @@ def _few_rows_kernel(
     result = acc  # [BLOCK_N, ROWS]: output n of row m at [n, m]
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
+    up = acc
+    if EPILOGUE == 2:
+        up = acc_up
     out_ptrs = out_ptr + rows_m.to(tl.int64)[None, :] * stride_out + cols_n[:, None]
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
-        result += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
-        up = round_to(acc_up, dtype).to(tl.float32)
-        result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
-    tl.store(out_ptrs, round_to(result, dtype), mask=out_mask)
+    gemv.store_linear_output(result, up, out_ptrs, n_mask[:, None] & m_mask[None, :], EPILOGUE, dtype)
 
 
 def linear_few_rows(

@@ -190,14 +190,23 @@ def _gemv_kernel(
                               NORM, EPILOGUE == 2, BLOCK_K, PDL, dtype)
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
-    result = round_to(result, dtype).to(tl.float32)  # the linear layer's output tensor
     out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
+    store_linear_output(result, up, out_ptrs, n_mask, EPILOGUE, dtype)
+
+
+@triton.jit
+def store_linear_output(result, up, out_ptrs, mask, EPILOGUE: tl.constexpr, dtype: tl.constexpr):
+    """Rounds float32 products (bias added) as the linear layer's output tensor, applies the epilogue
+    as the unfused torch ops round it and stores: ``EPILOGUE_STORE``; ``EPILOGUE_ADD_TO_OUT`` adds
+    ``out``'s values; ``EPILOGUE_SILU_MUL`` writes ``silu(result) * up`` (``up``: the up products, read
+    only then). Any tile shape: ``result``, ``up``, ``out_ptrs`` and ``mask`` share it."""
+    result = round_to(result, dtype).to(tl.float32)
     if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
-        result += tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        result += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
         up = round_to(up, dtype).to(tl.float32)
         result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
-    tl.store(out_ptrs, round_to(result, dtype), mask=n_mask)
+    tl.store(out_ptrs, round_to(result, dtype), mask=mask)
 
 
 #: Tiles measured fastest on the H200 for the bundled presets' matrices (profiles/results/gemv_tiles_h200.json:
