@@ -138,11 +138,12 @@ class AttentionBackend(ABC):
         input_ids: list[int] | None = None,
         positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
+        keep_input_ids: bool = False,
     ) -> None:
         """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
         (token 0 at position 0, slot -1, length 1, null block); see ``DecodeGraphState.refresh``."""
         state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions,
-                      block_table_versions)
+                      block_table_versions, keep_input_ids)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:

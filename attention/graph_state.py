@@ -111,17 +111,20 @@ class DecodeGraphState:
         input_ids: list[int] | None = None,
         positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
+        keep_input_ids: bool = False,
     ) -> None:
         """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
         numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
         ``input_ids``/``positions`` (one per real row) default to 0. Padding rows get token 0 at
         position 0, slot -1, length 1 and the null block. ``block_table_versions`` (ints >= 0, equal
         only for equal tables; see ``DecodeBatch``) let a row whose table is already staged skip its
-        conversion. Raises ValueError for a row that exceeds the captured maximum context; nothing is
-        copied then.
+        conversion. ``keep_input_ids``: leave the device's ``input_ids`` as they are (``input_ids`` is
+        ignored; the copy starts after that field): the graph runner's pipelined decode, whose tokens
+        are the previous step's samples, already on the device. Raises ValueError for a row that
+        exceeds the captured maximum context; nothing is copied then.
 
-        The copy reads the staging buffer asynchronously: call again only after the step that used the
-        last refresh finished (the graph runner waits for its tokens, which guarantees that).
+        The copy reads the staging buffer when the stream reaches it, so a refresh first waits until
+        the previous refresh's copy has run (immediate unless that step is still queued).
         """
         batch = len(seq_lens)
         if batch > padded_batch_size or padded_batch_size > self.max_batch_size:
@@ -132,9 +135,12 @@ class DecodeGraphState:
         for row, table in enumerate(block_tables):
             if len(table) > width:
                 raise ValueError(f"row {row} has {len(table)} blocks; the captured maximum context allows {width}")
+        self.packed.wait_until_uploaded()
         host = self.packed.host
         n = padded_batch_size
         for name, values in (("input_ids", input_ids), ("positions", positions)):
+            if name == "input_ids" and keep_input_ids:
+                continue
             if values is None:
                 host[name][:n] = 0
             else:
@@ -159,7 +165,9 @@ class DecodeGraphState:
         if padding.any():
             tables[batch:n][padding] = NULL_BLOCK
             staged[batch:n] = _PADDING
-        self.packed.upload(self.packed.bytes_through("block_tables", n))  # later rows are not read
+        # Later block-table rows are not read; input_ids comes first, so keeping it skips a prefix.
+        self.packed.upload(self.packed.bytes_through("block_tables", n),
+                           first_byte=self.packed.field_start("positions") if keep_input_ids else 0)
 
 
 #: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.

@@ -3,7 +3,7 @@ and the graph runner (warm-up, capture, replay, eager fallback, stats)."""
 
 from .buckets import choose_bucket, default_capture_sizes
 from .decode_batch import DecodeBatch
-from .graph_runner import SAMPLING_MODES, DecodeGraphRunner
+from .graph_runner import SAMPLING_MODES, DecodeGraphRunner, PendingTokens
 from .stats import DecodeStats, EagerReason
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "DecodeGraphRunner",
     "DecodeStats",
     "EagerReason",
+    "PendingTokens",
     "SAMPLING_MODES",
     "choose_bucket",
     "default_capture_sizes",

@@ -90,7 +90,19 @@ class DecodeGraphRunner:
         self.input_ids, self.positions = self.graph_state.input_ids, self.graph_state.positions
         self._static_sampling = StaticSampling(bs, self.device)
         self.sampling = self._static_sampling.tensors
-        self.next_tokens = torch.zeros(bs, dtype=torch.int64, device=self.device)  # [B]
+        #: [B] int64: where a step's sampled tokens land. The same memory as ``input_ids``, so after a
+        #: step each row's input is already the token it sampled: a pipelined step (``launch`` with
+        #: ``carry_input_ids``) feeds them back without knowing them on the host.
+        self.next_tokens = self.input_ids
+        #: Rows of ``input_ids`` holding the last launch's sampled tokens (0: that launch did not run
+        #: through the static buffers, or none ran).
+        self._carried_rows = 0
+        #: Pinned host buffers the sampled tokens are copied into, used in turn: two launches may be
+        #: in flight (the pipelined engine launches step n + 1 before it reads step n's tokens).
+        self._token_buffers = [torch.zeros(bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                               for _ in range(2)]
+        self._token_holders: list[PendingTokens | None] = [None, None]
+        self._next_token_buffer = 0
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
         #: Token choice: the fused kernels' ``sample_fused`` when the model runs fused kernels, else
         #: ``graphrt.sampler.sample``; both (logits, sampling, out) -> out.
@@ -164,46 +176,82 @@ class DecodeGraphRunner:
 
     # -- decode ------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> list[int]:
         """Sample one token per row; returns them as host ints (the step's only device-to-host copy).
+        ``launch(batch).result()``: waits for the step."""
+        return self.launch(batch).result()
 
-        Not re-entrant: staging buffers are reused, and this call waits for its tokens, which also
-        guarantees the previous step's copies finished before the next overwrites staging.
+    @torch.inference_mode()
+    def launch(self, batch: DecodeBatch, carry_input_ids: bool = False) -> PendingTokens:
+        """Queue one decode step of ``batch`` (refresh, replay or eager forward, the copy of its tokens
+        to pinned host memory) without waiting for it; its tokens come from the returned ``result()``.
+
+        ``carry_input_ids``: every row's input is the token the same row sampled in the previous launch,
+        which is still on the device (``batch.input_ids`` is ignored): the next step can be queued
+        before the previous one's tokens reached the host, so the host's work for step n + 1 overlaps
+        the GPU's for step n. Needs the previous launch to have run through the static buffers with at
+        least ``len(batch)`` rows, and ``batch`` to fit them (``fits_static_buffers``); ValueError
+        otherwise, with nothing queued.
+
+        At most two launches may be awaiting ``result()`` (RuntimeError for a third). A launch's
+        refresh waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
+        if carry_input_ids:
+            if len(batch) > self._carried_rows:
+                raise ValueError(f"cannot carry the input ids of {len(batch)} rows: the previous launch left "
+                                 f"{self._carried_rows} sampled rows in the static buffers")
+            if not self.fits_static_buffers(batch):
+                raise ValueError("a batch that carries its input ids must fit the static buffers "
+                                 f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
+        slot = self._next_token_buffer
+        holder = self._token_holders[slot]
+        if holder is not None and not holder.resolved:
+            raise RuntimeError("two decodes are already awaiting result(): read the older one's tokens first")
         if not len(batch):
-            return []
+            return PendingTokens(self._token_buffers[slot][:0], None)
+        tokens = self._run(batch, carry_input_ids)
+        pending = PendingTokens.copy_to_host(tokens, self._token_buffers[slot])
+        self._token_holders[slot] = pending
+        self._next_token_buffer = 1 - slot
+        return pending
+
+    def _run(self, batch: DecodeBatch, carry_input_ids: bool) -> torch.Tensor:
+        """Queue the step's work; returns the [len(batch)] int64 device tensor its tokens land in."""
         reason = self._eager_reason_for(batch)
         if reason is not None:
             self.stats.eager_steps[reason] += 1
             with nvtx.decode_eager(len(batch), reason):
-                if not self._fits_static_buffers(batch):
+                if not self.fits_static_buffers(batch):
+                    self._carried_rows = 0
                     return self._decode_unbuffered(batch)
                 # No graph to match: bound attention by this batch's longest row, not the captured maximum.
-                return self._decode_static(batch, len(batch), replay=False, max_seq_len=max(batch.seq_lens))
+                return self._decode_static(batch, len(batch), replay=False, carry_input_ids=carry_input_ids,
+                                           max_seq_len=max(batch.seq_lens))
         padded = choose_bucket(self.capture_sizes, len(batch))
         self.stats.replays_per_bucket[padded] += 1
         self.stats.padded_rows += padded - len(batch)
-        return self._decode_static(batch, padded, replay=True)
+        return self._decode_static(batch, padded, replay=True, carry_input_ids=carry_input_ids)
 
     @torch.inference_mode()
     def eager_decode(self, batch: DecodeBatch) -> list[int]:
         """The step a replay would run (same padded bucket, static buffers and kernels) executed
         without the graph: what replays are checked against. Not counted in ``stats``."""
-        if not self._fits_static_buffers(batch):
+        if not self.fits_static_buffers(batch):
             raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
         padded = choose_bucket(self.capture_sizes, len(batch))
-        return self._decode_static(batch, padded, replay=False)
+        return self._decode_static(batch, padded, replay=False, carry_input_ids=False).tolist()
 
-    def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, max_seq_len: int | None = None) -> list[int]:
+    def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, carry_input_ids: bool,
+                       max_seq_len: int | None = None) -> torch.Tensor:
         with nvtx.decode_prepare():
-            mode = self._refresh(batch, padded)
+            mode = self._refresh(batch, padded, carry_input_ids)
+        self._carried_rows = len(batch)
         if not replay:
             self._forward(padded, mode, max_seq_len)
-            return self.next_tokens[: len(batch)].tolist()
-        with nvtx.decode_replay(len(batch), padded):  # spans the wait for the sampled tokens too
-            self.graphs[(padded, mode)].replay()
-            return self.next_tokens[: len(batch)].tolist()
+        else:
+            with nvtx.decode_replay(len(batch), padded):
+                self.graphs[(padded, mode)].replay()
+        return self.next_tokens[: len(batch)]
 
     def last_logits(self, batch_size: int) -> torch.Tensor:
         """[batch_size, V] float32 logits of the last decode (needs ``return_logits=True``)."""
@@ -220,15 +268,18 @@ class DecodeGraphRunner:
             return EagerReason.CONTEXT_TOO_LONG
         return None
 
-    def _fits_static_buffers(self, batch: DecodeBatch) -> bool:
+    def fits_static_buffers(self, batch: DecodeBatch) -> bool:
+        """Whether ``batch`` runs through the static buffers (replayed, or eager on the same tensors)."""
         return len(batch) <= self.max_batch_size and max(batch.seq_lens, default=0) <= self.max_seq_len
 
-    def _refresh(self, batch: DecodeBatch, padded: int) -> str:
-        """Write ``batch`` into the static buffers (rows padded to ``padded``); returns its sampling mode."""
+    def _refresh(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False) -> str:
+        """Write ``batch`` into the static buffers (rows padded to ``padded``; input ids left on the
+        device with ``carry_input_ids``); returns its sampling mode."""
         mode = batch.sampling_mode
         self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
                                          padded, input_ids=batch.input_ids, positions=batch.positions,
-                                         block_table_versions=batch.block_table_versions)
+                                         block_table_versions=batch.block_table_versions,
+                                         keep_input_ids=carry_input_ids)
         if mode != "greedy":  # greedy graphs never read the sampling rows: skip their copy
             self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
         return mode
@@ -243,7 +294,7 @@ class DecodeGraphRunner:
         self._run_model(self.input_ids[:size], self.positions[:size], metadata, self._sampling_view(size, mode),
                         self.next_tokens[:size], None if self.logits is None else self.logits[:size])
 
-    def _decode_unbuffered(self, batch: DecodeBatch) -> list[int]:
+    def _decode_unbuffered(self, batch: DecodeBatch) -> torch.Tensor:
         """Eager decode with per-step tensors, for batches the static buffers cannot hold."""
         metadata = AttentionMetadata.from_seqlens(
             query_lens=[1] * len(batch), seq_lens=batch.seq_lens, num_prefills=0,
@@ -255,7 +306,7 @@ class DecodeGraphRunner:
         sampling = SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device)
         tokens = torch.empty(len(batch), dtype=torch.int64, device=self.device)
         self._run_model(ids, positions, metadata, sampling, tokens, None)
-        return tokens.tolist()
+        return tokens
 
     def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out) -> None:
         hidden = self.model(ids, positions, self.kv_caches, metadata)  # [B, hidden]
@@ -271,3 +322,49 @@ class DecodeGraphRunner:
             seeds=s.seeds[:size], steps=s.steps[:size],
             all_greedy=mode == "greedy", needs_top_k_top_p=mode == "sample",
         )
+
+
+class PendingTokens:
+    """A launched decode step's sampled tokens on their way to pinned host memory.
+
+    ``result()`` waits for the copy (for the step, hence) and returns them as ints; ``ready()`` asks
+    without waiting. The host buffer is reused two launches later, so read a launch's tokens before
+    launching twice more (``DecodeGraphRunner.launch`` enforces it)."""
+
+    def __init__(self, host_tokens: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self._host_tokens = host_tokens
+        self._copied = copied
+        self._tokens: list[int] | None = None
+
+    @classmethod
+    def copy_to_host(cls, tokens: torch.Tensor, host_buffer: torch.Tensor) -> PendingTokens:
+        """Queue the copy of device ``tokens`` [n] into the first n entries of the pinned ``host_buffer``
+        (into a new pinned buffer when n exceeds it: a batch larger than the static buffers)."""
+        count = tokens.shape[0]
+        if count <= host_buffer.shape[0]:
+            host = host_buffer[:count]
+        else:
+            host = torch.empty(count, dtype=host_buffer.dtype, pin_memory=host_buffer.is_pinned())
+        if not tokens.is_cuda:
+            host.copy_(tokens)
+            return cls(host, None)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(host, copied)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether ``result()`` was called: the host buffer may be reused."""
+        return self._tokens is not None
+
+    def ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def result(self) -> list[int]:
+        if self._tokens is None:
+            if self._copied is not None:
+                with nvtx.decode_wait():
+                    self._copied.synchronize()
+            self._tokens = self._host_tokens.tolist()
+        return self._tokens

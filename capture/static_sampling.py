@@ -33,11 +33,12 @@ class StaticSampling:
     def refresh(self, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> None:
         """Validate (as ``SamplingTensors.from_params``) and write rows ``[:len(params)]``, then copy;
         ValueError for a bad row, with nothing written. Rows past the batch keep stale values, which
-        ``sample`` (row-wise) never lets reach the batch's rows. Call again only after the step that
-        read the last refresh finished (the graph runner waits for its tokens each step)."""
+        ``sample`` (row-wise) never lets reach the batch's rows. Waits first until the previous
+        refresh's copy has run."""
         if len(params) > self.tensors.batch_size:
             raise ValueError(f"{len(params)} sampling rows do not fit {self.tensors.batch_size}")
         temps, top_ks, top_ps, all_greedy, needs_filter = host_rows(params, seeds, steps)
+        self.packed.wait_until_uploaded()  # the previous refresh's copy may still be queued (pipelined decode)
         n, host = len(params), self.packed.host
         host["temperature"][:n] = temps
         host["top_p"][:n] = top_ps

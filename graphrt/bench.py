@@ -4,7 +4,9 @@ For each (batch size, context): B sequences of ``context`` tokens sit in the pag
 contents); one decode step is timed end to end as a serving engine sees it (static-buffer refresh,
 replay or eager forward, sampling, the token copy back), median over ``steps`` runs. With graphs the
 replay alone is timed too, on the GPU (CUDA events around ``graph.replay()``): the device time of a
-step without the host's share. The floor is (weight bytes + KV bytes read) / the HBM read bandwidth
+step without the host's share; and pipelined steps, as the engine runs them with ``async_decode``
+(each step queued, fed by the previous one's tokens on the device, before that step's tokens are read):
+the interval between consecutive steps' tokens, where the host's share overlaps the replay. The floor is (weight bytes + KV bytes read) / the HBM read bandwidth
 measured in the same run. ``compare_unfused`` times the same graphs built with the unfused reference
 kernels beside them.
 """
@@ -44,6 +46,8 @@ class BenchRow:
     tokens_per_s: float
     capture_seconds: float | None
     pool_mib: float | None
+    pipelined_ms: float | None = None  # a step queued before the previous one's tokens are read
+    pipelined_ratio_to_floor: float | None = None
     unfused_graph_ms: float | None = None  # with compare_unfused: the same step, unfused kernels
     unfused_replay_ms: float | None = None
     gemv_layers: bool = False  # the step's layers ran the batch-1 GEMV kernels (graphrt.kernels.gemv)
@@ -103,6 +107,27 @@ def _time_steps(decode, batch, steps: int, device: torch.device) -> float:
     return statistics.median(samples)
 
 
+def _time_pipelined_steps(runner, batch, steps: int) -> float:
+    """Median wall-clock ms between consecutive steps' tokens when each step is launched, carrying the
+    previous step's tokens on the device, before the previous step's tokens are read (the engine's
+    ``async_decode``)."""
+    pending = runner.launch(batch)
+    for _ in range(3):
+        following = runner.launch(batch, carry_input_ids=True)
+        pending.result()
+        pending = following
+    samples = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        following = runner.launch(batch, carry_input_ids=True)
+        pending.result()
+        now = time.perf_counter()
+        samples.append((now - last) * 1e3)
+        last, pending = now, following
+    pending.result()
+    return statistics.median(samples)
+
+
 def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
     """Median GPU ms of replaying ``batch``'s graph (static buffers refreshed once, by a decode)."""
     runner = engine.decode_runner
@@ -125,16 +150,17 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 
 
 def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, **options):
-    """(end-to-end ms, replay ms, capture s, pool MiB) of a captured engine's decode step. ``options``:
-    further ``EngineConfig`` fields."""
+    """(end-to-end ms, replay ms, pipelined ms, capture s, pool MiB) of a captured engine's decode
+    step. ``options``: further ``EngineConfig`` fields."""
     torch.cuda.empty_cache()
     engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False,
                            fused_kernels=fused_kernels, **options)
     batch = fill_decode_batch(engine, batch_size, context, params)
     graph_ms = _time_steps(engine.decode_runner.decode, batch, steps, dev)
     replay_ms = _time_replays(engine, batch, steps)
+    pipelined_ms = _time_pipelined_steps(engine.decode_runner, batch, steps)
     stats = engine.decode_runner.stats
-    result = graph_ms, replay_ms, stats.capture_seconds, stats.pool_bytes / 2**20
+    result = graph_ms, replay_ms, pipelined_ms, stats.capture_seconds, stats.pool_bytes / 2**20
     del engine, batch
     torch.cuda.empty_cache()
     return result
@@ -168,13 +194,13 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             gemv_layers = eager_engine.model.runs_gemv_layers(batch_size)
             launched_as_dependents = eager_engine.dependent_launch
             del eager_engine, batch
-            graph_ms = replay_ms = capture_s = pool = unfused_ms = unfused_replay = None
+            graph_ms = replay_ms = pipelined_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
-                graph_ms, replay_ms, capture_s, pool = time_graphs(
+                graph_ms, replay_ms, pipelined_ms, capture_s, pool = time_graphs(
                     model, dev, dtype, batch_size, context, steps, fused_kernels, params,
                     dependent_launch=dependent_launch)
                 if compare_unfused and fused:
-                    unfused_ms, unfused_replay, _, _ = time_graphs(
+                    unfused_ms, unfused_replay, _, _, _ = time_graphs(
                         model, dev, dtype, batch_size, context, steps, False, params)
             best = graph_ms if graph_ms is not None else eager_ms
             floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
@@ -185,6 +211,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
                 floor_ms=_rounded(floor),
                 ratio_to_floor=None if floor is None else round(best / floor, 2),
                 replay_ratio_to_floor=None if floor is None or replay_ms is None else round(replay_ms / floor, 2),
+                pipelined_ms=_rounded(pipelined_ms),
+                pipelined_ratio_to_floor=None if floor is None or pipelined_ms is None else round(pipelined_ms / floor, 2),
                 tokens_per_s=round(batch_size / best * 1e3, 1),
                 capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
                 unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
@@ -204,8 +232,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
 
 
 HEADER = (f"{'batch':>5} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
-          f"{'floor ms':>9} {'x floor':>7} {'replay x':>8} {'unfused':>9} {'tok/s':>10} {'capture s':>9} "
-          f"{'pool MiB':>8}")
+          f"{'pipe ms':>8} {'floor ms':>9} {'x floor':>7} {'replay x':>8} {'pipe x':>6} {'unfused':>9} "
+          f"{'tok/s':>10} {'capture s':>9} {'pool MiB':>8}")
 
 
 def _fmt(value, spec: str) -> str:
@@ -214,12 +242,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_row(r: BenchRow) -> str:
-    """One table line; ``unfused`` is the unfused graph's end-to-end ms (with compare_unfused)."""
+    """One table line; ``pipe`` is the pipelined step, ``unfused`` the unfused graph's end-to-end ms
+    (with compare_unfused)."""
     return (f"{r.batch_size:>5} {r.context:>6} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
-            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.replay_ms, '>9.3f')} {_fmt(r.floor_ms, '>9.3f')} "
-            f"{_fmt(r.ratio_to_floor, '>7.2f')} {_fmt(r.replay_ratio_to_floor, '>8.2f')} "
-            f"{_fmt(r.unfused_graph_ms, '>9.3f')} {r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} "
-            f"{_fmt(r.pool_mib, '>8.1f')}")
+            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.replay_ms, '>9.3f')} {_fmt(r.pipelined_ms, '>8.3f')} "
+            f"{_fmt(r.floor_ms, '>9.3f')} {_fmt(r.ratio_to_floor, '>7.2f')} {_fmt(r.replay_ratio_to_floor, '>8.2f')} "
+            f"{_fmt(r.pipelined_ratio_to_floor, '>6.2f')} {_fmt(r.unfused_graph_ms, '>9.3f')} "
+            f"{r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} {_fmt(r.pool_mib, '>8.1f')}")
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -237,6 +266,8 @@ def write_plot(result: dict, path: str) -> None:
         if rows[0]["graph_ms"] is not None:
             ax.plot(sizes, [r["graph_ms"] for r in rows], "s-", label=f"CUDA graph, ctx {context}")
             ax.plot(sizes, [r["replay_ms"] for r in rows], "^:", label=f"graph replay (GPU), ctx {context}")
+            if rows[0].get("pipelined_ms") is not None:
+                ax.plot(sizes, [r["pipelined_ms"] for r in rows], "d-", label=f"pipelined steps, ctx {context}")
         if rows[0].get("unfused_graph_ms") is not None:
             ax.plot(sizes, [r["unfused_graph_ms"] for r in rows], "x-", label=f"CUDA graph unfused, ctx {context}")
         if rows[0]["floor_ms"] is not None:

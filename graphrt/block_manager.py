@@ -191,6 +191,11 @@ class BlockManager:
         """Whether :meth:`grow` to ``num_tokens`` total would succeed now."""
         return self._extra_blocks(seq_id, num_tokens) <= self.num_free_blocks
 
+    def can_grow_all(self, targets: list[tuple[int, int]]) -> bool:
+        """Whether :meth:`grow` of every ``(seq_id, num_tokens)`` in ``targets``, one after another,
+        would succeed now (the blocks they need together fit)."""
+        return sum(self._extra_blocks(seq_id, n) for seq_id, n in targets) <= self.num_free_blocks
+
     # ---- table lifecycle ------------------------------------------------
 
     def has(self, seq_id: int) -> bool:

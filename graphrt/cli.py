@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
+                     help="read each decode step's tokens before queueing the next (default on CUDA: the next "
+                     "step is queued first, so the host's work overlaps the GPU's; same outputs)")
     gen.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     gen.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -92,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", parents=[common],
         help="decode-step latency: eager vs CUDA graphs, against the HBM floor",
         description="Times one decode step (static-buffer refresh, forward, sampling, token copy) per batch "
-        "size and context, eager and replayed, and the replay alone on the GPU, beside the floor (weights + "
+        "size and context, eager and replayed, the replay alone on the GPU, and pipelined steps (each queued "
+        "before the previous step's tokens are read, as the engine runs them), beside the floor (weights + "
         "KV bytes over the HBM read bandwidth measured in the same run). On CPU: eager only, no floor.",
     )
     add_model_arguments(bench, default_model="random:llama-3.2-1b")
@@ -145,7 +149,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
-        **kernel_options(args),
+        async_decode=args.async_decode, **kernel_options(args),
     )
     prompts: list[str | list[int]] = []
     for text in args.prompt:

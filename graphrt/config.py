@@ -227,6 +227,12 @@ class EngineConfig:
     #: dependents, so each overlaps the end of the kernel before it (``graphrt.kernels.dependent_launch``;
     #: same results). Needs fused kernels and an sm_90+ GPU. None = on wherever those hold.
     dependent_launch: bool | None = None
+    #: Pipelined decode steps: while step n runs on the GPU, the engine already queues step n + 1 (its
+    #: inputs are step n's sampled tokens, fed back on the device), so the host's work of a step overlaps
+    #: the GPU's. Outputs are the same; a stop token is seen a step late (that extra token is dropped),
+    #: and a step that admits prompts, preempts, or changes the batch otherwise waits first.
+    #: None = on for CUDA devices.
+    async_decode: bool | None = None
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0
     #: Extra keyword arguments for the model loader (e.g. random presets' init scale).

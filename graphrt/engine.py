@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
 from graphrt.attention import get_attention_backend
-from graphrt.capture import DecodeGraphRunner
+from graphrt.capture import DecodeGraphRunner, PendingTokens
 
 from . import nvtx
 from .block_manager import BlockManager
@@ -30,6 +31,14 @@ logger = logging.getLogger(__name__)
 
 #: Longest single sequence the GPU memory profile prefills (the batch is split into such sequences).
 _PROFILE_SEQ_LEN = 2048
+
+
+@dataclass
+class _InFlightDecode:
+    """A decode step queued on the device whose tokens the engine has not read yet."""
+
+    seqs: list[Sequence]  # row order of the launch
+    tokens: PendingTokens
 
 
 class LLMEngine:
@@ -77,6 +86,8 @@ class LLMEngine:
         self.decode_runner.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
+        self._in_flight: _InFlightDecode | None = None
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
@@ -131,11 +142,18 @@ class LLMEngine:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is unfinished or a queued step's tokens are still unread (``step`` again)."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the requests that got a token (finished ones included)."""
+        """Run one scheduled step; returns the requests that got a token (finished ones included).
+
+        With ``async_decode`` a decode-only step is queued and its tokens are returned by the next
+        call, which first queues the step after it when the batch carries on unchanged: a call may
+        return no outputs while requests are unfinished."""
         with nvtx.range("step"):
+            if self._in_flight is not None:
+                return self._step_pipelined(self._in_flight)
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -145,8 +163,58 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")
             return []
+        if self.async_decode and scheduled.decodes and not scheduled.prefills:
+            self._in_flight = _InFlightDecode(scheduled.decodes, self.runner.launch_decode(scheduled.decodes))
+            return []
         seqs = scheduled.prefills + scheduled.decodes
         token_ids = self.runner.execute(scheduled.prefills, scheduled.decodes)
+        return self._record_tokens(seqs, token_ids)
+
+    def _step_pipelined(self, in_flight: _InFlightDecode) -> list[RequestOutput]:
+        """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens."""
+        with nvtx.range("schedule"):
+            following = self._schedule_following(in_flight.seqs)
+        self._in_flight = None
+        if following is not None:
+            self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead=True))
+        token_ids = in_flight.tokens.result()
+        # A sequence that finished on the step before this one (a stop token, seen after this step was
+        # queued) got a token it must not keep.
+        live = [(seq, token) for seq, token in zip(in_flight.seqs, token_ids) if not seq.is_finished]
+        for seq, _ in live:
+            seq.num_computed_tokens = seq.num_tokens
+        outputs = self._record_tokens([seq for seq, _ in live], [token for _, token in live])
+        if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight.seqs):
+            # Every row of the queued step just finished: nothing will read it, so wait here rather
+            # than leave a step in flight with no request behind it.
+            self._in_flight.tokens.result()
+            self._in_flight = None
+        return outputs
+
+    def _schedule_following(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The decode after the in-flight one, planned before its tokens are known: the same sequences
+        in the same rows, their tables grown by one position. None (wait for the tokens, then schedule
+        as usual) when the batch would change: a sequence finished or reaches max_tokens or
+        max_model_len with the token in flight, a waiting prompt can be admitted, the blocks do not
+        fit (preemption), or the rows outgrow the decode graphs' static buffers."""
+        if self.scheduler.can_admit(self.max_num_batched_tokens - len(seqs)):
+            return None
+        for seq in seqs:
+            if (seq.is_finished or len(seq.output_token_ids) + 1 >= seq.params.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return None
+        if not self.runner.can_launch_ahead(seqs):
+            return None
+        # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
+        targets = [(seq.seq_id, seq.num_tokens + 1) for seq in seqs]
+        if not self.block_manager.can_grow_all(targets):
+            return None
+        for seq_id, num_tokens in targets:
+            self.block_manager.grow(seq_id, num_tokens)
+        return seqs
+
+    def _record_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
+        """Append each sequence's new token, release the finished ones; returns their outputs."""
         for seq, token_id in zip(seqs, token_ids):
             seq.append_token(token_id, self.max_model_len)
         for seq in self.scheduler.finish_step(seqs):

@@ -12,7 +12,7 @@ import torch
 
 from graphrt.attention import AttentionBackend
 from graphrt.attention.metadata import pinned_to_device
-from graphrt.capture import DecodeBatch, DecodeGraphRunner
+from graphrt.capture import DecodeBatch, DecodeGraphRunner, PendingTokens
 
 from . import nvtx
 from .block_manager import BlockManager
@@ -60,16 +60,34 @@ class ModelRunner:
                 seq.num_computed_tokens = seq.num_tokens
         return tokens
 
-    def _decode_batch(self, decodes: list[Sequence]) -> DecodeBatch:
-        positions = [seq.num_tokens - 1 for seq in decodes]
+    def launch_decode(self, decodes: list[Sequence], ahead: bool = False) -> PendingTokens:
+        """Queue the decode of ``decodes`` without waiting for it (``DecodeGraphRunner.launch``).
+
+        ``ahead``: each sequence's newest token is still on the device, sampled by the previous launch
+        in the same row, and not yet appended: its position is ``num_tokens`` and its input id is carried
+        on the device. The block tables must already cover that position. The caller appends the
+        tokens and advances ``num_computed_tokens`` when it reads them."""
+        with nvtx.decode(len(decodes)):
+            return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_input_ids=ahead)
+
+    def can_launch_ahead(self, decodes: list[Sequence]) -> bool:
+        """Whether ``launch_decode(decodes, ahead=True)`` can run: one row further, the batch still fits
+        the decode runner's static buffers (rows that outgrow them decode eagerly, from host ids)."""
+        runner = self.decode_runner
+        return len(decodes) <= runner.max_batch_size and all(seq.num_tokens + 1 <= runner.max_seq_len for seq in decodes)
+
+    def _decode_batch(self, decodes: list[Sequence], ahead: bool = False) -> DecodeBatch:
+        """The decode of each sequence's newest token (``ahead``: of the token after it, see ``launch_decode``)."""
+        offset = int(ahead)
+        positions = [seq.num_tokens - 1 + offset for seq in decodes]
         return DecodeBatch(
-            input_ids=[seq.last_token_id for seq in decodes],
+            input_ids=[0] * len(decodes) if ahead else [seq.last_token_id for seq in decodes],
             positions=positions,
             block_tables=[self.block_manager.block_table(seq.seq_id) for seq in decodes],
             slot_mapping=[self.block_manager.slot(seq.seq_id, p) for seq, p in zip(decodes, positions)],
             params=[seq.params for seq in decodes],
             seeds=[seq.seed for seq in decodes],
-            steps=[len(seq.output_token_ids) for seq in decodes],
+            steps=[len(seq.output_token_ids) + offset for seq in decodes],
             block_table_versions=[self.block_manager.table_version(seq.seq_id) for seq in decodes],
         )
 

@@ -18,6 +18,9 @@ A range's message is its name, optionally followed by a space and ``key=value`` 
 - ``decode.eager batch=B reason=R``: an eager decode, R saying why it is not a replay (the graph
   runner's ``EagerReason``: ``enforce_eager``, ``no_cuda``, ``capture_failed``, ``batch_too_large``,
   ``context_too_long``).
+- ``decode.wait``: waiting for a decode step's sampled tokens to reach the host (inside ``decode``
+  for a step that waits at once; inside ``step`` for a pipelined one, which waits for the step it
+  launched the call before).
 - ``sample``: sampling after an eager forward and its device-to-host copy (so it also shows the wait
   for the GPU); a decode graph samples inside the replay.
 - ``capture bucket=P``: capturing the decode graph for padded batch P.
@@ -56,7 +59,7 @@ ENV_LAYERS = "GRAPHRT_NVTX_LAYERS"
 #: package keeps every registered string for the process's life, as NVTX has no way to unregister.)
 MAX_CACHED_MESSAGES = 4096
 #: Ranges without details, built as soon as a tool is found so that no step pays for building them.
-STATIC_NAMES = ("load", "step", "schedule", "decode.prepare", "sample")
+STATIC_NAMES = ("load", "step", "schedule", "decode.prepare", "decode.wait", "sample")
 
 #: ARGB colours per range name, so phases are told apart at a glance on the timeline.
 _COLORS = {
@@ -187,7 +190,8 @@ def _build(cache: dict, key, message: str) -> _Range:
 
 
 def range(name: str):  # noqa: A001 - NVTX's own word for it
-    """A range without details: ``load``, ``step``, ``schedule``, ``decode.prepare``, ``sample``."""
+    """A range without details: ``load``, ``step``, ``schedule``, ``decode.prepare``, ``decode.wait``,
+    ``sample``."""
     if not _enabled:
         return NULL_RANGE
     found = _named.get(name)
@@ -216,6 +220,11 @@ def decode(batch: int):
 def decode_prepare():
     """``decode.prepare``: refreshing the static inputs of a graph before replay."""
     return range("decode.prepare")
+
+
+def decode_wait():
+    """``decode.wait``: waiting for a decode step's sampled tokens."""
+    return range("decode.wait")
 
 
 def decode_replay(batch: int, padded: int):

@@ -63,12 +63,18 @@ class Scheduler:
             out.decodes.append(seq)
             index += 1
 
+    def can_admit(self, token_budget: int | None = None) -> bool:
+        """Whether the oldest waiting sequence would be admitted (prefilled) now, within ``token_budget``
+        prompt tokens (default: the whole ``max_num_batched_tokens``)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        budget = self.max_num_batched_tokens if token_budget is None else token_budget
+        return seq.num_tokens <= budget and self.block_manager.can_allocate(seq.num_tokens)
+
     def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_tokens > token_budget or not self.block_manager.can_allocate(seq.num_tokens):
-                break
-            self.waiting.popleft()
+        while self.can_admit(token_budget):
+            seq = self.waiting.popleft()
             self.block_manager.allocate(seq.seq_id, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             token_budget -= seq.num_tokens

@@ -40,6 +40,10 @@ class PackedStaging:
         self.host: dict[str, np.ndarray] = {
             name: self._view(self.staging, name, dtype, shape).numpy() for name, dtype, shape in fields
         }
+        #: Recorded after each non-blocking CUDA upload, which reads the pinned mirror only when the
+        #: stream reaches it; ``_upload_pending`` until waited for.
+        self._uploaded = torch.cuda.Event() if self.device_buffer.is_cuda else None
+        self._upload_pending = False
 
     def _view(self, buffer: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         start, row_bytes = self._spans[name]
@@ -50,8 +54,24 @@ class PackedStaging:
         start, row_bytes = self._spans[name]
         return start + rows * row_bytes
 
-    def upload(self, num_bytes: int | None = None, non_blocking: bool = True) -> None:
-        """Copy the first ``num_bytes`` (default: all) of the mirror to the device. A non-blocking copy
-        reads the mirror later: write it again only after the work that read this upload finished."""
+    def field_start(self, name: str) -> int:
+        """Byte offset of field ``name`` in the buffer."""
+        return self._spans[name][0]
+
+    def wait_until_uploaded(self) -> None:
+        """Block until the last upload has read the mirror, so that the host may write it again. Free
+        when the caller already waited for later work on the stream (the graph runner's synchronous
+        decode); needed when a refresh runs while the previous step is still queued (pipelined decode)."""
+        if self._upload_pending:
+            self._uploaded.synchronize()
+            self._upload_pending = False
+
+    def upload(self, num_bytes: int | None = None, non_blocking: bool = True, first_byte: int = 0) -> None:
+        """Copy bytes ``[first_byte, num_bytes)`` (default: all) of the mirror to the device. A
+        non-blocking copy reads the mirror when the stream reaches it: call ``wait_until_uploaded``
+        before writing the mirror again."""
         end = self.staging.numel() if num_bytes is None else num_bytes
-        self.device_buffer[:end].copy_(self.staging[:end], non_blocking=non_blocking)
+        self.device_buffer[first_byte:end].copy_(self.staging[first_byte:end], non_blocking=non_blocking)
+        if non_blocking and self._uploaded is not None:
+            self._uploaded.record()
+            self._upload_pending = True

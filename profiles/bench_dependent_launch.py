@@ -53,8 +53,8 @@ def main() -> None:
             samples = {False: ([], []), True: ([], [])}
             for _ in range(args.rounds):
                 for dependent_launch in (False, True):
-                    step, replay, _, _ = time_graphs(model, device, "auto", batch, context, args.steps, None, greedy,
-                                                     dependent_launch=dependent_launch)
+                    step, replay, _, _, _ = time_graphs(model, device, "auto", batch, context, args.steps, None,
+                                                        greedy, dependent_launch=dependent_launch)
                     samples[dependent_launch][0].append(step)
                     samples[dependent_launch][1].append(replay)
             point = {"model": model, "context": context, "batch_size": batch, "same_greedy_tokens": same}

@@ -165,7 +165,7 @@ def _kv_snapshot(llm):
 def test_no_cuda_runs_eager_through_static_buffers(llm):
     runner = _runner(llm)
     batch = _decode_batch(llm, 3)
-    reference = runner._decode_unbuffered(batch)  # per-step tensors, no static buffers
+    reference = runner._decode_unbuffered(batch).tolist()  # per-step tensors, no static buffers
     assert runner.decode(batch) == reference
     assert runner.stats.eager_steps == {EagerReason.NO_CUDA: 1}
     assert not runner.stats.replays_per_bucket
@@ -175,7 +175,7 @@ def test_enforce_eager_is_a_reason(llm):
     runner = _runner(llm, enforce_eager=True, capture_sizes=[1])
     runner.decode(_decode_batch(llm, 1, seed=1))
     batch = _decode_batch(llm, 2, seed=6)  # larger than every bucket: still counted as enforce_eager
-    assert runner.decode(batch) == runner._decode_unbuffered(batch)
+    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
     assert runner.stats.eager_steps == {EagerReason.ENFORCE_EAGER: 2}
 
 
@@ -189,7 +189,7 @@ def test_batch_too_large_falls_back(llm):
     runner = _runner(llm, capture_sizes=[1, 2])
     runner.eager_reason = None  # as if graphs had been captured: the batch is what forces eager
     batch = _decode_batch(llm, 3, seed=2)
-    assert runner.decode(batch) == runner._decode_unbuffered(batch)
+    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
     assert runner.stats.eager_steps[EagerReason.BATCH_TOO_LARGE] == 1
 
 
@@ -197,7 +197,7 @@ def test_context_too_long_falls_back(llm):
     runner = _runner(llm, max_seq_len=16)
     runner.eager_reason = None  # as if graphs had been captured: the context is what forces eager
     batch = _decode_batch(llm, 2, seed=3, context=20)
-    assert runner.decode(batch) == runner._decode_unbuffered(batch)
+    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
     assert runner.stats.eager_steps[EagerReason.CONTEXT_TOO_LONG] == 1
 
 

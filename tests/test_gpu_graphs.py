@@ -120,24 +120,64 @@ def test_engine_with_graphs_equals_enforce_eager_as_requests_come_and_go():
     params = [SamplingParams(temperature=0.0 if i % 3 else 0.9, top_p=0.95, seed=i, ignore_eos=True,
                              max_tokens=int(5 + (i * 7) % 30)) for i in range(len(prompts))]
 
-    def run(enforce_eager: bool):
-        llm = LLM(**TINY, dtype="float32", enforce_eager=enforce_eager)
-        engine, done = llm.engine, {}
-        pending = list(enumerate(zip(prompts, params)))
-        while pending or engine.has_unfinished_requests():
-            for _ in range(3):  # a few arrivals between steps
-                if pending:
-                    i, (prompt, p) = pending.pop(0)
-                    engine.add_request(prompt, p, request_id=str(i))
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-        return done, engine.decode_runner.stats
-
-    graph_out, graph_stats = run(False)
-    eager_out, _ = run(True)
+    graph_out, graph_stats = _run_arrivals(prompts, params, enforce_eager=False)
+    eager_out, _ = _run_arrivals(prompts, params, enforce_eager=True)
     assert graph_stats.replays_per_bucket and not graph_stats.eager_steps
     assert graph_out == eager_out
+
+
+def _run_arrivals(prompts, params, dtype="float32", **options):
+    """Adds three requests between steps until all are in; returns ({request id: tokens}, stats)."""
+    llm = LLM(**TINY, dtype=dtype, **options)
+    engine, done = llm.engine, {}
+    pending = list(enumerate(zip(prompts, params)))
+    while pending or engine.has_unfinished_requests():
+        for _ in range(3):  # a few arrivals between steps
+            if pending:
+                i, (prompt, p) = pending.pop(0)
+                engine.add_request(prompt, p, request_id=str(i))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    return done, engine.decode_runner.stats
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pipelined_decode_equals_synchronous(dtype):
+    """Decode steps queued before the previous step's tokens are read (``async_decode``, input ids fed
+    back on the device) give the synchronous engine's tokens: arrivals, stop tokens seen a step late,
+    max_tokens, greedy and seeded sampling, through replayed graphs."""
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 512, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 60, (12,), generator=generator)]
+    free = [SamplingParams(temperature=0.0 if i % 3 else 0.9, top_p=0.95, seed=i, ignore_eos=True,
+                           max_tokens=int(8 + (i * 5) % 40)) for i in range(len(prompts))]
+    reference, _ = _run_arrivals(prompts, free, dtype, async_decode=False)
+    # Every other request stops on a token it generates a few steps in.
+    params = [SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed, ignore_eos=True,
+                             max_tokens=p.max_tokens, stop_token_ids=[reference[str(i)][3]] if i % 2 else [])
+              for i, p in enumerate(free)]
+    synchronous, _ = _run_arrivals(prompts, params, dtype, async_decode=False)
+    pipelined, stats = _run_arrivals(prompts, params, dtype, async_decode=True)
+    assert stats.replays_per_bucket and not stats.eager_steps
+    assert pipelined == synchronous
+    assert any(len(synchronous[str(i)]) < len(reference[str(i)]) for i in range(1, len(prompts), 2))
+
+
+def test_pipelined_steps_at_model_shapes_equal_synchronous():
+    """SmolLM2-shaped layers (batch 1 on the GEMV kernels, batch 4 on cuBLAS, dependent launches):
+    64 greedy tokens pipelined equal 64 synchronous ones."""
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400], [42]]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for batch in ([prompts[0]], prompts):
+        outputs = []
+        for async_decode in (False, True):
+            llm = LLM(model="random:smollm2-135m", device="cuda", dtype="bfloat16", progress=False,
+                      max_num_seqs=4, max_model_len=256, num_kv_blocks=128, async_decode=async_decode)
+            outputs.append([o.token_ids for o in llm.generate(batch, params)])
+            del llm
+        assert outputs[0] == outputs[1]
 
 
 def test_a_fresh_process_captures_every_bucket():

@@ -28,6 +28,7 @@ FORMATS = {
     "prefill": r"prefill seqs=[1-9]\d* tokens=[1-9]\d*",
     "decode": r"decode batch=[1-9]\d*",
     "decode.prepare": r"decode\.prepare",
+    "decode.wait": r"decode\.wait",
     "decode.replay": r"decode\.replay batch=[1-9]\d* padded=[1-9]\d*",
     "decode.eager": r"decode\.eager batch=[1-9]\d* reason=[a-z_]+",
     "sample": r"sample",
@@ -43,6 +44,7 @@ PARENTS = {
     "decode": {"step"},
     "sample": {"step"},
     "decode.eager": {"decode"},
+    "decode.wait": {"decode", "step"},
     "layer": {"prefill", "decode", "decode.eager"},
 }
 PROMPTS = ["1,2,3", "4,5,6,7,8,9,10,11", "12,13,14,15,16"]  # 3, 8 and 5 tokens
