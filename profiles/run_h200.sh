@@ -5,7 +5,8 @@
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
 # few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64,
-# merge-tile the merge's tile size (notes_fusion.md after change 13).
+# merge-tile the merge's tile size (notes_fusion.md after change 13), grid-barrier a phase dependency's
+# cost as a kernel boundary and as a grid barrier.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -61,6 +62,10 @@ for stage in $stages; do
       log "paged decode: the merge's tile (registers) at 1-8 rows, context 4096"
       python profiles/bench_decode_splits.py --merge-tiles 8192 2048 --points 1x4096 2x4096 3x4096 4x4096 8x4096 \
         --json "$OUT/merge_tile.json"
+      ;;
+    grid-barrier)
+      log "a phase dependency as a dependent kernel launch against a grid barrier in a persistent kernel"
+      timeout 120 python profiles/bench_grid_barrier.py --json "$OUT/grid_barrier.json"
       ;;
     few-rows)
       log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"
