@@ -2,7 +2,8 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, profile-8b
+# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, tests-engine
+# those of the decode runner and engine, profile-8b
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
 # few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64,
 # merge-tile the merge's tile size (notes_fusion.md after change 13), grid-barrier a phase dependency's
@@ -19,6 +20,12 @@ for stage in $stages; do
       log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
       python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py tests/test_dependent_launch.py tests/test_qkv_rope_cache.py tests/test_triton_paged_decode.py \
         tests/test_gpu_engine.py tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
+      ;;
+    tests-engine)
+      log "gpu tests of the decode runner and engine (graphs, pipelined steps, HF agreement, dependent launches)"
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_engine.py \
+        tests/test_dependent_launch.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" \
+        | tee "$OUT/gpu_tests_engine.log" | tail -30
       ;;
     tests-all)
       log "every gpu-marked test"
