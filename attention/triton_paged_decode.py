@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
+from graphrt.kernels.dependent_launch import launch_options
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -232,11 +232,14 @@ def _decode_split_kernel(
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
-    wait_for_previous_kernel(PDL)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # Lengths, block tables and the keys of earlier steps come from before the step (the host's upload,
+    # earlier steps' cache writes): read before waiting for the previous kernel (see dependent_launch).
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = 0
     if USE_WINDOW:
@@ -251,6 +254,23 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = kv_ptr + kv_head * HEAD_SIZE
+    # The slice's first tile is loaded before the wait, without the newest key (position seq_len - 1),
+    # which this step's cache write stores: that row is loaded after the wait.
+    newest = seq_len - 1
+    first_pos, first_kv_off, first_kv_ok = _tile_offsets(table, start, end, dims, dim_ok, stride_kv_block,
+                                                         stride_kv_token, BLOCK_SIZE, BLOCK_N)
+    older = (first_pos < newest)[:, None]
+    k_first = tl.load(head_base + first_kv_off, mask=first_kv_ok & older, other=0.0)
+    v_first = tl.load(head_base + stride_kv_kind + first_kv_off, mask=first_kv_ok & older, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    is_newest = first_kv_ok & (first_pos == newest)[:, None]
+    k_first = tl.where(is_newest, tl.load(head_base + first_kv_off, mask=is_newest, other=0.0), k_first)
+    v_first = tl.where(is_newest, tl.load(head_base + stride_kv_kind + first_kv_off, mask=is_newest, other=0.0),
+                       v_first)
+
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
@@ -267,6 +287,7 @@ def _decode_split_kernel(
     else:
         dot_dtype = q.dtype
         q_op = q
+    slopes = tl.zeros([GROUP_PAD], tl.float32)
     if USE_ALIBI:
         # Base-2 units, like the scores.
         slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -274,32 +295,16 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_base = kv_ptr + kv_head * HEAD_SIZE
-    offs_n = tl.arange(0, BLOCK_N)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + offs_n
-        pos_ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
-        kv_off = token[:, None] + dims[None, :]
-        kv_ok = pos_ok[:, None] & dim_ok[None, :]
+    if start < end:  # an empty slice (a short sequence) has no first tile
+        m_i, l_i, acc = _attend_tile(q_op, k_first, v_first, first_pos, first_pos < end, slopes, seq_len, m_i, l_i,
+                                     acc, qk_scale, q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
+    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
+        pos, kv_off, kv_ok = _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block, stride_kv_token,
+                                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
         v = tl.load(head_base + stride_kv_kind + kv_off, mask=kv_ok, other=0.0)
-
-        s = tl.dot(q_op, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * qk_scale
-        if USE_ALIBI:
-            s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_op = p.to(q.dtype).to(dot_dtype) if DOT_F32 else p.to(dot_dtype)  # interpreter: bf16 rounding kept
-        acc = acc * alpha[:, None] + tl.dot(p_op, v.to(dot_dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale, q.dtype,
+                                     dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
 
     acc = acc * v_scale
     if SINGLE_SPLIT:
@@ -325,6 +330,37 @@ def _decode_split_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split is in: ready for the next launch
             _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh, stride_wb,
                           stride_wh, num_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, SPLITS_CHUNK)
+
+
+@triton.jit
+def _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block, stride_kv_token, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Positions [BLOCK_N] of the tile from ``tile_start``, the cache offsets [BLOCK_N, HEAD_PAD] of their
+    rows within a kv head (block table looked up) and which of those exist (before ``end``)."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+    return pos, token[:, None] + dims[None, :], pos_ok[:, None] & dim_ok[None, :]
+
+
+@triton.jit
+def _attend_tile(q_op, k, v, pos, pos_ok, slopes, seq_len, m_i, l_i, acc, qk_scale, q_dtype: tl.constexpr,
+                 dot_dtype: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One K/V tile folded into the online softmax of the group's query rows; returns (m_i, l_i, acc)."""
+    s = tl.dot(q_op, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if USE_ALIBI:
+        s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
+    s = tl.where(pos_ok[None, :], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_op = p.to(q_dtype).to(dot_dtype) if DOT_F32 else p.to(dot_dtype)  # interpreter: bf16 rounding kept
+    acc = acc * alpha[:, None] + tl.dot(p_op, v.to(dot_dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit

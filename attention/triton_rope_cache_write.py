@@ -157,6 +157,14 @@ def _qkv_rope_cache_kernel(
     first_cols = head * HEAD_SIZE + channel
     every = channel < HALF  # all true: BLOCK_N divides D / 2 (the mask shape the GEMV expects)
     x_row = x_ptr + token.to(tl.int64) * stride_x
+    # The position, its rotary rows and the slot come from the host's upload, which no kernel of the
+    # step writes: loaded before row_products waits for the previous kernel (see dependent_launch), so
+    # these two dependent loads no longer follow the products.
+    position = tl.load(positions_ptr + token)
+    cos = round_to(tl.load(cos_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
+    sin = round_to(tl.load(sin_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + token)
     first, second = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr, K,
                                       eps, NORM, True, BLOCK_K, PDL, dtype)
     if HAS_BIAS:
@@ -165,9 +173,6 @@ def _qkv_rope_cache_kernel(
     # The projection's output tensor, then the rotation rope_and_write_kv_cache would apply to it.
     first = round_to(first, dtype)
     second = round_to(second, dtype)
-    position = tl.load(positions_ptr + token)
-    cos = round_to(tl.load(cos_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
-    sin = round_to(tl.load(sin_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
     rotated_first, rotated_second = _rotate_halves(first.to(tl.float32), second.to(tl.float32), cos, sin, dtype)
     rotate = head < NUM_HEADS + NUM_KV_HEADS  # q and k heads; v heads are stored as projected
     first = tl.where(rotate, rotated_first, first)
@@ -178,7 +183,6 @@ def _qkv_rope_cache_kernel(
 
     if WRITE_CACHE:
         if head >= NUM_HEADS:  # k and v heads
-            slot = tl.load(slot_ptr + token)
             if slot >= 0:  # a real token
                 is_value = head >= NUM_HEADS + NUM_KV_HEADS
                 kv_head = head - NUM_HEADS - tl.where(is_value, NUM_KV_HEADS, 0)

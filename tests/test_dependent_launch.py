@@ -65,8 +65,9 @@ def _cases(pdl: bool) -> list[dict]:
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     """Launched as dependents, each kernel's PTX holds the grid dependency wait (and the early launch
-    of its own dependents) with no global load before the wait, except the GEMV kernels' loads of their
-    first weight slice; launched plainly, neither instruction."""
+    of its own dependents) with no global load before the wait, except what no kernel of the step writes
+    (weights, host-uploaded inputs, older cache rows), which the GEMV, fused QKV and attention kernels
+    request early; launched plainly, neither instruction."""
     from sm90_compile import compile_for_sm90
 
     dependent, plain = _cases(True), _cases(False)
@@ -78,7 +79,10 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
     assert loads_first.pop("gemv-norm-silu") > 0  # the first weight slice (gate and up), requested early
-    assert loads_first.pop("qkv-rope-cache") > 0  # its first weight slice (both halves of its channels)
+    # Its first weight slice (both halves of its channels), the position, rotary rows and slot.
+    assert loads_first.pop("qkv-rope-cache") > 0
+    # The sequence length, block table entries and the older keys and values of the first tile.
+    assert loads_first.pop("decode-split") > 0
     assert set(loads_first.values()) == {0}, loads_first
 
 

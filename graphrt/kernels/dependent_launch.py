@@ -11,9 +11,16 @@ one, reads or writes. Static data (weights) can be read before the wait.
 
 Rules every kernel launched with ``launch_pdl=True`` here follows:
 
-* every program calls ``gdc_wait`` before its first read of activations, positions, cache or metadata
-  and before its first write (so the kernel finishing implies every earlier kernel finished: the
-  dependency stays transitive along the chain);
+* every program calls ``gdc_wait`` before its first read of anything a kernel of the same step may
+  write (activations, workspaces, this step's K/V rows in the cache) and before its first write (so the
+  kernel finishing implies every earlier kernel finished: the dependency stays transitive along the
+  chain);
+* what no kernel of the step writes may be read before the wait: weights, and the step's inputs that
+  the host uploads before its first kernel (positions, slot mapping, sequence lengths, block tables;
+  rotary tables) together with the cache rows of earlier steps. A chain starts with a plainly launched
+  kernel (the embedding lookup), which starts after the upload and after the previous step's last
+  kernel; a dependent kernel starts only once every program of the kernel before it has started, so by
+  induction after that first kernel: those bytes are final before any program of the chain runs;
 * ``gdc_launch_dependents`` comes first: it only lets the next kernel's programs be scheduled into
   free slots, where they wait; correctness never depends on where it sits.
 
