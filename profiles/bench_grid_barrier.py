@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from bench_gemv import time_graph
 
 from graphrt.kernels.dependent_launch import launch_options
 
@@ -62,26 +62,6 @@ def _persistent_kernel(values_ptr, counter_ptr, num_phases, PROGRAMS: tl.constex
         _grid_barrier(counter_ptr, (phase + 1) * PROGRAMS)
 
 
-def _time_graph(run, replays: int = 30) -> float:
-    """Median ms of replaying a graph of ``run``."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def measure(programs: int) -> dict:
     values = torch.zeros(2 * programs, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -100,8 +80,8 @@ def measure(programs: int) -> dict:
         counter.zero_()
         _persistent_kernel[(programs,)](values, counter, 1, PROGRAMS=programs, num_warps=4)
 
-    plain, dependent = _time_graph(chain(False)), _time_graph(chain(True))
-    barrier, single = _time_graph(persistent), _time_graph(empty_persistent)
+    plain, dependent = time_graph([chain(False)], 30), time_graph([chain(True)], 30)
+    barrier, single = time_graph([persistent], 30), time_graph([empty_persistent], 30)
 
     def consistent(run) -> bool:
         """From zeros, phase p writes p + 1 everywhere only if every read saw the phase before."""
