@@ -141,7 +141,8 @@ class AttentionBackend(ABC):
         keep_input_ids: bool = False,
     ) -> None:
         """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
-        (token 0 at position 0, slot -1, length 1, null block); see ``DecodeGraphState.refresh``."""
+        (token 0 at position 0, slot -1, length 1, null block); ``keep_input_ids`` leaves the device's
+        token ids as they are. See ``DecodeGraphState.refresh``."""
         state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions,
                       block_table_versions, keep_input_ids)
 

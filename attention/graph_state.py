@@ -120,7 +120,8 @@ class DecodeGraphState:
         only for equal tables; see ``DecodeBatch``) let a row whose table is already staged skip its
         conversion. ``keep_input_ids``: leave the device's ``input_ids`` as they are (``input_ids`` is
         ignored; the copy starts after that field): the graph runner's pipelined decode, whose tokens
-        are the previous step's samples, already on the device. Raises ValueError for a row that
+        are the previous step's samples, already on the device; padding rows then keep the ids they
+        sampled (vocabulary ids like any other: a padding row's result is never read). Raises ValueError for a row that
         exceeds the captured maximum context; nothing is copied then.
 
         The copy reads the staging buffer when the stream reaches it, so a refresh first waits until

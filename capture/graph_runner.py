@@ -193,8 +193,9 @@ class DecodeGraphRunner:
         least ``len(batch)`` rows, and ``batch`` to fit them (``fits_static_buffers``); ValueError
         otherwise, with nothing queued.
 
-        At most two launches may be awaiting ``result()`` (RuntimeError for a third). A launch's
-        refresh waits until the previous refresh's copy has run, so staging is never rewritten early.
+        Two launches may await ``result()`` at once; a third first reads the tokens of the oldest (waits
+        for it; its ``result()`` still returns them), whose pinned buffer it reuses. A launch's refresh
+        waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
         if carry_input_ids:
             if len(batch) > self._carried_rows:
@@ -205,8 +206,8 @@ class DecodeGraphRunner:
                                  f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
         slot = self._next_token_buffer
         holder = self._token_holders[slot]
-        if holder is not None and not holder.resolved:
-            raise RuntimeError("two decodes are already awaiting result(): read the older one's tokens first")
+        if holder is not None:
+            holder.result()  # read before its buffer is reused (at once unless two launches are unread)
         if not len(batch):
             return PendingTokens(self._token_buffers[slot][:0], None)
         tokens = self._run(batch, carry_input_ids)
@@ -254,7 +255,8 @@ class DecodeGraphRunner:
         return self.next_tokens[: len(batch)]
 
     def last_logits(self, batch_size: int) -> torch.Tensor:
-        """[batch_size, V] float32 logits of the last decode (needs ``return_logits=True``)."""
+        """[batch_size, V] float32 logits of the last launched decode (needs ``return_logits=True``); read
+        them after that launch's ``result()``: with two launches queued they are the newer one's."""
         if self.logits is None:
             raise RuntimeError("this runner was built without return_logits=True")
         return self.logits[:batch_size]
@@ -328,8 +330,8 @@ class PendingTokens:
     """A launched decode step's sampled tokens on their way to pinned host memory.
 
     ``result()`` waits for the copy (for the step, hence) and returns them as ints; ``ready()`` asks
-    without waiting. The host buffer is reused two launches later, so read a launch's tokens before
-    launching twice more (``DecodeGraphRunner.launch`` enforces it)."""
+    without waiting. The runner reuses the host buffer two launches later, reading the tokens into the
+    object first."""
 
     def __init__(self, host_tokens: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         self._host_tokens = host_tokens
@@ -350,13 +352,8 @@ class PendingTokens:
             return cls(host, None)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(tokens.device))
         return cls(host, copied)
-
-    @property
-    def resolved(self) -> bool:
-        """Whether ``result()`` was called: the host buffer may be reused."""
-        return self._tokens is not None
 
     def ready(self) -> bool:
         return self._copied is None or self._copied.query()

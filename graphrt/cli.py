@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "
-                     "step is queued first, so the host's work overlaps the GPU's; same outputs)")
+                     "step is queued first, so the host's work overlaps the GPU's)")
     gen.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     gen.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

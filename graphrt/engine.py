@@ -171,13 +171,23 @@ class LLMEngine:
         return self._record_tokens(seqs, token_ids)
 
     def _step_pipelined(self, in_flight: _InFlightDecode) -> list[RequestOutput]:
-        """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens."""
-        with nvtx.range("schedule"):
-            following = self._schedule_following(in_flight.seqs)
-        self._in_flight = None
-        if following is not None:
-            self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead=True))
-        token_ids = in_flight.tokens.result()
+        """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens.
+
+        If queueing or the wait fails (an interrupt during the wait, most likely), both steps are
+        dropped after the device finishes them, and the sequences stay as they were before
+        ``in_flight``: the next step decodes that token again, with the same seed and step index."""
+        try:
+            with nvtx.range("schedule"):
+                following = self._schedule_following(in_flight.seqs)
+            self._in_flight = None
+            if following is not None:
+                self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead=True))
+            token_ids = in_flight.tokens.result()
+        except BaseException:
+            self._in_flight = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing queued may still write what the next step reads
+            raise
         # A sequence that finished on the step before this one (a stop token, seen after this step was
         # queued) got a token it must not keep.
         live = [(seq, token) for seq, token in zip(in_flight.seqs, token_ids) if not seq.is_finished]

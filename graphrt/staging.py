@@ -73,5 +73,5 @@ class PackedStaging:
         end = self.staging.numel() if num_bytes is None else num_bytes
         self.device_buffer[first_byte:end].copy_(self.staging[first_byte:end], non_blocking=non_blocking)
         if non_blocking and self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(self.device_buffer.device))
             self._upload_pending = True

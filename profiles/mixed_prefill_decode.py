@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1 + args.warmup):
         engine.step()
 
-    mixed_ms, decode_ms = [], []
+    mixed_ms, decode_ms, queued_only = [], [], 0
     profiling = args.torch_profile is not None
     with torch_trace(args.torch_profile, engine.device), cuda_profiler_range(engine.device):
         for step in range(recorded):
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             with step_annotation(profiling):
                 outputs = engine.step()
             elapsed = (time.perf_counter() - start) * 1e3
+            if not outputs:  # a pipelined engine's call that only queued a decode (async_decode)
+                queued_only += 1
+                continue
             prefilled = any(len(out.token_ids) == 1 for out in outputs)  # a prompt got its first token
             (mixed_ms if prefilled else decode_ms).append(elapsed)
 
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"mixed prefill/decode: {args.model} on {engine.device} ({dtype}): {recorded} steps, "
           f"{len(mixed_ms)} with a prefill (median {median(mixed_ms)} ms), {len(decode_ms)} decode-only "
-          f"(median {median(decode_ms)} ms)")
+          f"(median {median(decode_ms)} ms), {queued_only} that only queued a pipelined decode")
     print(f"decode stats: {engine.decode_runner.stats.as_dict()}")
     if profiling:
         print(summarize_trace(args.torch_profile))

@@ -123,6 +123,41 @@ def test_preemption_with_async_decode_loses_nothing():
     assert manager.num_free_blocks == manager.num_usable_blocks
 
 
+def test_an_interrupted_wait_loses_no_token(sync_llm, async_llm, monkeypatch):
+    """An exception while a pipelined step waits for its tokens (a Ctrl-C, say) leaves the engine usable:
+    the interrupted steps are decoded again and the outputs are those of an uninterrupted run."""
+    from graphrt.capture import PendingTokens
+
+    prompts = _prompts(3, seed=14)
+    params = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=77)
+    expected = [o.token_ids for o in sync_llm.generate(prompts, params)]
+    engine = async_llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"interrupted-{i}")
+    original, calls = PendingTokens.result, {"n": 0}
+
+    def flaky(self):
+        if self._tokens is None:  # a real wait, not a read of tokens already on the host
+            calls["n"] += 1
+            if calls["n"] == 4:
+                assert engine._in_flight is not None  # the step after this one is queued already
+                raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(PendingTokens, "result", flaky)
+    finals, interrupted = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            continue
+        finals.update({o.request_id: o.token_ids for o in outputs if o.finished})
+    assert interrupted == 1
+    assert [finals[f"interrupted-{i}"] for i in range(3)] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
 def _batch(engine, seq_ids, context, input_ids) -> DecodeBatch:
     manager = engine.block_manager
     return DecodeBatch(
@@ -166,7 +201,7 @@ def test_runner_carried_input_ids_equal_host_fed(async_llm):
             manager.free(sid)
 
 
-def test_runner_refuses_what_it_cannot_carry(async_llm):
+def test_runner_refuses_what_it_cannot_carry_and_keeps_unread_tokens(async_llm):
     engine = async_llm.engine
     runner = engine.runner.decode_runner
     manager = engine.block_manager
@@ -177,12 +212,12 @@ def test_runner_refuses_what_it_cannot_carry(async_llm):
         runner.decode(_batch(engine, seq_ids[:1], 8, [3]))
         with pytest.raises(ValueError, match="carry the input ids of 2 rows"):
             runner.launch(_batch(engine, seq_ids, 8, [0, 0]), carry_input_ids=True)
+        expected = [runner.decode(_batch(engine, seq_ids, 8, ids)) for ids in ([3, 4], [1, 2])]
         first = runner.launch(_batch(engine, seq_ids, 8, [3, 4]))
-        second = runner.launch(_batch(engine, seq_ids, 8, [0, 0]), carry_input_ids=True)
-        with pytest.raises(RuntimeError, match="already awaiting result"):
-            runner.launch(_batch(engine, seq_ids, 8, [1, 2]))
-        assert len(first.result()) == 2 and len(second.result()) == 2
-        runner.launch(_batch(engine, seq_ids, 8, [1, 2])).result()  # the buffers are free again
+        runner.launch(_batch(engine, seq_ids, 8, [0, 0]), carry_input_ids=True)
+        # A third launch reuses the oldest one's pinned buffer: it reads the oldest's tokens first.
+        third = runner.launch(_batch(engine, seq_ids, 8, [1, 2]))
+        assert first.result() == expected[0] and third.result() == expected[1]
     finally:
         for sid in seq_ids:
             manager.free(sid)
