@@ -50,6 +50,10 @@ _SMEM_OVERHEAD = 9 * 1024
 #: 1B's shapes fastest with the split counts 4 programs an SM give); fp8 caches ~255 (2 programs).
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
+#: Slices of at most one tile (short contexts, or many splits: batch 1-8 at the presets' contexts) load
+#: that tile before waiting for the kernel before them, which writes only the newest key; False keeps the
+#: load behind the wait (for side-by-side timing: profiles/notes_fusion.md, change 15).
+EARLY_TILE_LOADS = True
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
 _DEFAULT_SMEM = 227 * 1024
 
@@ -222,6 +226,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write ``out`` directly
+    ONE_TILE: tl.constexpr,  # every slice fits one tile (of the captured context): loaded before the wait
     GROUP_MERGE: tl.constexpr,  # GROUP padded to a power of two (the merge's head tile)
     SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
     SPLITS_CHUNK: tl.constexpr,  # splits the merge loads at once (bounds its registers)
@@ -240,6 +245,7 @@ def _decode_split_kernel(
 
     # Lengths, block tables and the keys of earlier steps come from before the step (the host's upload,
     # earlier steps' cache writes): read before waiting for the previous kernel (see dependent_launch).
+    # The wait comes below, before q, the newest key and every write.
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = 0
     if USE_WINDOW:
@@ -256,20 +262,24 @@ def _decode_split_kernel(
     dim_ok = dims < HEAD_SIZE
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kv_ptr + kv_head * HEAD_SIZE
-    # The slice's first tile is loaded before the wait, without the newest key (position seq_len - 1),
-    # which this step's cache write stores: that row is loaded after the wait.
-    newest = seq_len - 1
-    first_pos, first_kv_off, first_kv_ok = _tile_offsets(table, start, end, dims, dim_ok, stride_kv_block,
-                                                         stride_kv_token, BLOCK_SIZE, BLOCK_N)
-    older = (first_pos < newest)[:, None]
-    k_first = tl.load(head_base + first_kv_off, mask=first_kv_ok & older, other=0.0)
-    v_first = tl.load(head_base + stride_kv_kind + first_kv_off, mask=first_kv_ok & older, other=0.0)
-    if PDL:
+    if ONE_TILE:
+        # The slice is at most one tile: it is loaded before the wait, without the newest key (position
+        # seq_len - 1), which this step's cache write stores; that row is loaded after the wait.
+        newest = seq_len - 1
+        pos, kv_off, kv_ok = _tile_offsets(table, start, end, dims, dim_ok, stride_kv_block, stride_kv_token,
+                                           BLOCK_SIZE, BLOCK_N)
+        older = kv_ok & (pos < newest)[:, None]
+        k = tl.load(head_base + kv_off, mask=older, other=0.0)
+        v = tl.load(head_base + stride_kv_kind + kv_off, mask=older, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        is_newest = kv_ok & (pos == newest)[:, None]
+        k = tl.where(is_newest, tl.load(head_base + kv_off, mask=is_newest, other=0.0), k)
+        v = tl.where(is_newest, tl.load(head_base + stride_kv_kind + kv_off, mask=is_newest, other=0.0), v)
+    elif PDL:
+        # Longer slices keep their loop as it was: a tile held across the wait would stay live through
+        # the loop's pipelined loads (registers spill at head size 64; ptxas, sm_90).
         tl.extra.cuda.gdc_wait()
-    is_newest = first_kv_ok & (first_pos == newest)[:, None]
-    k_first = tl.where(is_newest, tl.load(head_base + first_kv_off, mask=is_newest, other=0.0), k_first)
-    v_first = tl.where(is_newest, tl.load(head_base + stride_kv_kind + first_kv_off, mask=is_newest, other=0.0),
-                       v_first)
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -295,16 +305,18 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    if start < end:  # an empty slice (a short sequence) has no first tile
-        m_i, l_i, acc = _attend_tile(q_op, k_first, v_first, first_pos, first_pos < end, slopes, seq_len, m_i, l_i,
-                                     acc, qk_scale, q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
-    for tile_start in range(start + BLOCK_N, end, BLOCK_N):
-        pos, kv_off, kv_ok = _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block, stride_kv_token,
-                                           BLOCK_SIZE, BLOCK_N)
-        k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
-        v = tl.load(head_base + stride_kv_kind + kv_off, mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale, q.dtype,
-                                     dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
+    if ONE_TILE:
+        if start < end:  # an empty slice (a short sequence) has no tile
+            m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale,
+                                         q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
+    else:
+        for tile_start in range(start, end, BLOCK_N):
+            pos, kv_off, kv_ok = _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block,
+                                               stride_kv_token, BLOCK_SIZE, BLOCK_N)
+            k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
+            v = tl.load(head_base + stride_kv_kind + kv_off, mask=kv_ok, other=0.0)
+            m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale,
+                                         q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
 
     acc = acc * v_scale
     if SINGLE_SPLIT:
@@ -451,7 +463,7 @@ def paged_decode_attention(
     fp32, channels contiguous; kv_cache: [2, num_blocks, block_size * KVH * D] in the model
     dtype or ``torch.float8_e4m3fn`` (then ``k_scale``/``v_scale`` are its per-tensor float scales);
     block_tables: [B, M] int32 (unused entries point at the null block); seq_lens: [B] int32 real key
-    counts, each in ``1 .. max_seq_len`` (read on the device). ``max_seq_len`` is the captured maximum
+    counts, each in ``1 .. max_seq_len`` (read on the device; a longer row would not be read whole). ``max_seq_len`` is the captured maximum
     context that fixes the launch; ``alibi_slopes``: [H] float32, adds ``slope * (k_pos - q_pos)`` with
     ``q_pos = seq_len - 1``; ``sliding_window`` W keeps keys with ``q_pos - k_pos < W``.
 
@@ -515,6 +527,7 @@ def paged_decode_attention(
     else:
         m_buf = l_buf = acc_buf = out  # not touched by the single-split path
         arrivals = seq_lens
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     head_pad = triton.next_power_of_2(head_size)
     group_merge = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(num_splits)
@@ -552,6 +565,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
+        ONE_TILE=EARLY_TILE_LOADS and triton.cdiv(span, num_splits) <= cfg.block_n,
         GROUP_MERGE=group_merge,
         SPLITS_PAD=splits_pad,
         SPLITS_CHUNK=max(1, min(splits_pad, _MERGE_TILE_ELEMENTS // (group_merge * head_pad))),

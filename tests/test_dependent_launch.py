@@ -51,7 +51,7 @@ def _cases(pdl: bool) -> list[dict]:
                                          "num_splits")},
                    "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
-                       SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
+                       SINGLE_SPLIT=False, ONE_TILE=True, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
                        USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
     qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
                      {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
