@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.kernels.dependent_launch import launch_options
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -50,10 +50,6 @@ _SMEM_OVERHEAD = 9 * 1024
 #: 1B's shapes fastest with the split counts 4 programs an SM give); fp8 caches ~255 (2 programs).
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
-#: Slices of at most one tile (short contexts, or many splits: batch 1-8 at the presets' contexts) load
-#: that tile before waiting for the kernel before them, which writes only the newest key; False keeps the
-#: load behind the wait (for side-by-side timing: profiles/notes_fusion.md, change 15).
-EARLY_TILE_LOADS = True
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
 _DEFAULT_SMEM = 227 * 1024
 
@@ -226,7 +222,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write ``out`` directly
-    ONE_TILE: tl.constexpr,  # every slice fits one tile (of the captured context): loaded before the wait
     GROUP_MERGE: tl.constexpr,  # GROUP padded to a power of two (the merge's head tile)
     SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
     SPLITS_CHUNK: tl.constexpr,  # splits the merge loads at once (bounds its registers)
@@ -237,15 +232,11 @@ def _decode_split_kernel(
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Lengths, block tables and the keys of earlier steps come from before the step (the host's upload,
-    # earlier steps' cache writes): read before waiting for the previous kernel (see dependent_launch).
-    # The wait comes below, before q, the newest key and every write.
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = 0
     if USE_WINDOW:
@@ -260,27 +251,6 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_base = kv_ptr + kv_head * HEAD_SIZE
-    if ONE_TILE:
-        # The slice is at most one tile: it is loaded before the wait, without the newest key (position
-        # seq_len - 1), which this step's cache write stores; that row is loaded after the wait.
-        newest = seq_len - 1
-        pos, kv_off, kv_ok = _tile_offsets(table, start, end, dims, dim_ok, stride_kv_block, stride_kv_token,
-                                           BLOCK_SIZE, BLOCK_N)
-        older = kv_ok & (pos < newest)[:, None]
-        k = tl.load(head_base + kv_off, mask=older, other=0.0)
-        v = tl.load(head_base + stride_kv_kind + kv_off, mask=older, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        is_newest = kv_ok & (pos == newest)[:, None]
-        k = tl.where(is_newest, tl.load(head_base + kv_off, mask=is_newest, other=0.0), k)
-        v = tl.where(is_newest, tl.load(head_base + stride_kv_kind + kv_off, mask=is_newest, other=0.0), v)
-    elif PDL:
-        # Longer slices keep their loop as it was: a tile held across the wait would stay live through
-        # the loop's pipelined loads (registers spill at head size 64; ptxas, sm_90).
-        tl.extra.cuda.gdc_wait()
-
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
@@ -297,7 +267,6 @@ def _decode_split_kernel(
     else:
         dot_dtype = q.dtype
         q_op = q
-    slopes = tl.zeros([GROUP_PAD], tl.float32)
     if USE_ALIBI:
         # Base-2 units, like the scores.
         slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -305,18 +274,32 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    if ONE_TILE:
-        if start < end:  # an empty slice (a short sequence) has no tile
-            m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale,
-                                         q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
-    else:
-        for tile_start in range(start, end, BLOCK_N):
-            pos, kv_off, kv_ok = _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block,
-                                               stride_kv_token, BLOCK_SIZE, BLOCK_N)
-            k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
-            v = tl.load(head_base + stride_kv_kind + kv_off, mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _attend_tile(q_op, k, v, pos, pos < end, slopes, seq_len, m_i, l_i, acc, qk_scale,
-                                         q.dtype, dot_dtype, USE_ALIBI, DOT_PRECISION, DOT_F32)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = kv_ptr + kv_head * HEAD_SIZE
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        pos_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+        kv_off = token[:, None] + dims[None, :]
+        kv_ok = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(head_base + stride_kv_kind + kv_off, mask=kv_ok, other=0.0)
+
+        s = tl.dot(q_op, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if USE_ALIBI:
+            s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_op = p.to(q.dtype).to(dot_dtype) if DOT_F32 else p.to(dot_dtype)  # interpreter: bf16 rounding kept
+        acc = acc * alpha[:, None] + tl.dot(p_op, v.to(dot_dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
 
     acc = acc * v_scale
     if SINGLE_SPLIT:
@@ -342,37 +325,6 @@ def _decode_split_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split is in: ready for the next launch
             _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh, stride_wb,
                           stride_wh, num_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, SPLITS_CHUNK)
-
-
-@triton.jit
-def _tile_offsets(table, tile_start, end, dims, dim_ok, stride_kv_block, stride_kv_token, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Positions [BLOCK_N] of the tile from ``tile_start``, the cache offsets [BLOCK_N, HEAD_PAD] of their
-    rows within a kv head (block table looked up) and which of those exist (before ``end``)."""
-    pos = tile_start + tl.arange(0, BLOCK_N)
-    pos_ok = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
-    return pos, token[:, None] + dims[None, :], pos_ok[:, None] & dim_ok[None, :]
-
-
-@triton.jit
-def _attend_tile(q_op, k, v, pos, pos_ok, slopes, seq_len, m_i, l_i, acc, qk_scale, q_dtype: tl.constexpr,
-                 dot_dtype: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One K/V tile folded into the online softmax of the group's query rows; returns (m_i, l_i, acc)."""
-    s = tl.dot(q_op, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if USE_ALIBI:
-        s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
-    s = tl.where(pos_ok[None, :], s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p_op = p.to(q_dtype).to(dot_dtype) if DOT_F32 else p.to(dot_dtype)  # interpreter: bf16 rounding kept
-    acc = acc * alpha[:, None] + tl.dot(p_op, v.to(dot_dtype), input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -463,7 +415,7 @@ def paged_decode_attention(
     fp32, channels contiguous; kv_cache: [2, num_blocks, block_size * KVH * D] in the model
     dtype or ``torch.float8_e4m3fn`` (then ``k_scale``/``v_scale`` are its per-tensor float scales);
     block_tables: [B, M] int32 (unused entries point at the null block); seq_lens: [B] int32 real key
-    counts, each in ``1 .. max_seq_len`` (read on the device; a longer row would not be read whole). ``max_seq_len`` is the captured maximum
+    counts, each in ``1 .. max_seq_len`` (read on the device). ``max_seq_len`` is the captured maximum
     context that fixes the launch; ``alibi_slopes``: [H] float32, adds ``slope * (k_pos - q_pos)`` with
     ``q_pos = seq_len - 1``; ``sliding_window`` W keeps keys with ``q_pos - k_pos < W``.
 
@@ -527,7 +479,6 @@ def paged_decode_attention(
     else:
         m_buf = l_buf = acc_buf = out  # not touched by the single-split path
         arrivals = seq_lens
-    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     head_pad = triton.next_power_of_2(head_size)
     group_merge = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(num_splits)
@@ -565,7 +516,6 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
-        ONE_TILE=EARLY_TILE_LOADS and triton.cdiv(span, num_splits) <= cfg.block_n,
         GROUP_MERGE=group_merge,
         SPLITS_PAD=splits_pad,
         SPLITS_CHUNK=max(1, min(splits_pad, _MERGE_TILE_ELEMENTS // (group_merge * head_pad))),

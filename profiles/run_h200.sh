@@ -7,8 +7,7 @@
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
 # few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64,
 # merge-tile the merge's tile size (notes_fusion.md after change 13), grid-barrier a phase dependency's
-# cost as a kernel boundary and as a grid barrier, early-loads the attention's tiles loaded before its wait
-# against after it.
+# cost as a kernel boundary and as a grid barrier.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
@@ -57,11 +56,6 @@ for stage in $stages; do
     dependent)
       log "decode steps with plain and dependent kernel launches, side by side"
       python profiles/bench_dependent_launch.py --json "$OUT/dependent_launch.json"
-      ;;
-    early-loads)
-      log "paged decode one-tile slices loaded after against before the wait (dependent launches)"
-      python profiles/bench_dependent_launch.py --switch early-tile-loads --rounds 2 --steps 60 \
-        --models random:smollm2-135m random:llama-3.2-1b --json "$OUT/early_tile_loads.json"
       ;;
     gemv)
       log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
