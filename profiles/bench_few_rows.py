@@ -13,12 +13,19 @@ For Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), one run measures:
    the residual stream, gate/up with the norm and SiLU * up) for every tile of ``SWEEP_TILES``, beside
    cuBLAS's bare product;
 2. per layer (the four matrices and their neighbours, no attention) at 2, 4, 8 and 16 rows: today's path
-   against the kernel with the sweep's best tile per matrix and with ``DEFAULT_TILE``.
+   against the kernel with the sweep's best tile per matrix and with ``DEFAULT_TILE``, and with the
+   best tiles and the norm applied after the products (``norm_after``: no prologue, the row's sum of
+   squares taken in the K loop; profiles/notes_fusion.md "Next" item 1);
+3. first, the norm variants' largest error against a float64 reference (1B QKV, 8 rows) beside the
+   unfused torch ops'.
+
+``--tiles-from results/few_rows_h200.json`` takes the best tiles of an earlier run and skips the sweep.
 
 Timings as in bench_gemv.py: CUDA-graph replays over enough weight copies (>= 256 MB) that weights
 stream from HBM, medians of 20 replays.
 
-    python profiles/bench_few_rows.py --json profiles/results/few_rows_h200.json"""
+    python profiles/bench_few_rows.py --json profiles/results/few_rows_h200.json
+    python profiles/bench_few_rows.py --tiles-from profiles/results/few_rows_h200.json --json few_rows_norm_after.json"""
 
 from __future__ import annotations
 
@@ -71,6 +78,7 @@ def _few_rows_kernel(
     N,
     K,
     NORM: tl.constexpr,
+    NORM_AFTER: tl.constexpr,  # with NORM: 1 / rms applied to the products, its sums taken in the K loop
     EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,7 +99,8 @@ def _few_rows_kernel(
     up_ptrs = w_ptrs + N.to(tl.int64) * stride_w  # SILU_MUL's up rows
 
     inv_rms = tl.full([ROWS], 1.0, tl.float32)
-    if NORM:
+    sum_squares_after = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)  # NORM_AFTER's, taken in the K loop
+    if NORM and not NORM_AFTER:
         # 1 / rms of each row, recomputed by every program: the rows come from L2.
         sum_squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -106,7 +115,12 @@ def _few_rows_kernel(
         k_mask = k + k_offsets < K
         w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:  # as rms_norm_torch rounds it: weight * (x * inv_rms).to(dtype), rounded to dtype
+        if NORM and NORM_AFTER:  # the norm weight now, the row's 1 / rms on the products
+            x32 = x.to(tl.float32)
+            sum_squares_after += x32 * x32
+            norm_w = tl.load(norm_w_ptr + k + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
+            x = round_to(x32 * norm_w[None, :], dtype)
+        elif NORM:  # as rms_norm_torch rounds it: weight * (x * inv_rms).to(dtype), rounded to dtype
             norm_w = tl.load(norm_w_ptr + k + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
             x = round_to(norm_w[None, :] * round_to(x.to(tl.float32) * inv_rms[:, None], dtype).to(tl.float32),
                          dtype)
@@ -123,6 +137,11 @@ def _few_rows_kernel(
                 up_w = tl.load(up_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 acc_up = tl.dot(up_w, x_t, acc_up)
 
+    if NORM and NORM_AFTER:  # W (w * x / rms) = (W (w * x)) / rms, row by row
+        inv_rms = tl.math.rsqrt(tl.sum(sum_squares_after, axis=1) / K + eps)
+        acc = acc * inv_rms[None, :]
+        if EPILOGUE == 2:
+            acc_up = acc_up * inv_rms[None, :]
     result = acc  # [BLOCK_N, ROWS]: output n of row m at [n, m]
     if HAS_BIAS:
         result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -144,10 +163,14 @@ def linear_few_rows(
     out: torch.Tensor | None = None,
     tile: FewRowsTile | None = None,
     dependent_launch: bool = False,
+    norm_after: bool = False,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for 1 to ``ROWS_PAD`` rows, optionally with RMSNorm before and SiLU *
     up or a residual add after, in one kernel; arguments, shapes and dtypes as
     ``graphrt.kernels.gemv.linear_gemv``'s. ``tile``: the launch's tiling (default ``DEFAULT_TILE``).
+    ``norm_after`` (with ``norm_weight``): no prologue; the K loop multiplies x by the norm weight and
+    sums its squares, and the products are divided by the row's rms in the epilogue. Mathematically the
+    same; it rounds ``x * weight`` to the model dtype where the unfused ops round ``weight * (x / rms)``.
     Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
     CUDA graph."""
     if epilogue not in (gemv.EPILOGUE_STORE, gemv.EPILOGUE_ADD_TO_OUT, gemv.EPILOGUE_SILU_MUL):
@@ -166,7 +189,7 @@ def linear_few_rows(
     _few_rows_kernel[(triton.cdiv(out_features, tile.block_n),)](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), rows, out_features, in_features,
-        NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, NORM_AFTER=norm_after, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROWS=ROWS_PAD,
         DOT_F32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(dependent_launch),
@@ -183,12 +206,12 @@ def label(tile: FewRowsTile) -> str:
     return f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
 
 
-def layer_op(matrix: str, x, w, out, norm_w, tile):
+def layer_op(matrix: str, x, w, out, norm_w, tile, norm_after: bool = False):
     """The matrix as the decode layer runs it (as bench_gemv.layer_op), on the few-rows kernel."""
     if matrix in ("qkv", "gate_up"):
         epilogue = gemv.EPILOGUE_SILU_MUL if matrix == "gate_up" else gemv.EPILOGUE_STORE
         return linear_few_rows(x, w, norm_weight=norm_w, eps=EPS, epilogue=epilogue, out=out, tile=tile,
-                               dependent_launch=True)
+                               dependent_launch=True, norm_after=norm_after)
     return linear_few_rows(x, w, epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=out, tile=tile, dependent_launch=True)
 
 
@@ -235,37 +258,68 @@ def layer(results: dict, rows_list) -> None:
             act = torch.empty(rows, inter, device="cuda", dtype=DTYPE)
             qkv_out = torch.empty(rows, qkv, device="cuda", dtype=DTYPE)
 
-            def few_rows(i, tiles):
+            def few_rows(i, tiles, norm_after=False):
                 def run():
                     for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
                                             ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
-                        layer_op(name, x, w, out, norm_w, FewRowsTile(**tiles[name]) if name in tiles else None)
+                        layer_op(name, x, w, out, norm_w, FewRowsTile(**tiles[name]) if name in tiles else None,
+                                 norm_after)
                 return run
 
             today = cublas_layers(w_qkv, w_o, w_gu, w_down, norm_w, EPS, rows)
             row = {"model": model, "rows": rows, "today_us": 1e3 * time_graph(today),
                    "few_rows_default_us": 1e3 * time_graph([few_rows(i, {}) for i in range(layers)]),
-                   "few_rows_best_us": 1e3 * time_graph([few_rows(i, best) for i in range(layers)])}
+                   "few_rows_best_us": 1e3 * time_graph([few_rows(i, best) for i in range(layers)]),
+                   "few_rows_norm_after_us": 1e3 * time_graph([few_rows(i, best, True) for i in range(layers)])}
             per_layer_bytes = 2 * hidden * (qkv + hidden + 3 * inter)
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
             print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  few-rows default "
-                  f"{row['few_rows_default_us']:7.2f}  best {row['few_rows_best_us']:7.2f}  "
-                  f"floor {row['floor_us']:6.2f}",
+                  f"{row['few_rows_default_us']:7.2f}  best {row['few_rows_best_us']:7.2f}  norm after "
+                  f"{row['few_rows_norm_after_us']:7.2f}  floor {row['floor_us']:6.2f}",
                   flush=True)
             results["layer"].append(row)
         del w_qkv, w_o, w_gu, w_down
         torch.cuda.empty_cache()
 
 
+def norm_after_error(rows: int = 8) -> list[dict]:
+    """Largest |difference| against a float64 reference of the normalised products (1B QKV shape, bf16),
+    for the prologue norm (rounded as the unfused ops) and the norm applied after the products, beside
+    the unfused torch ops' own: what rounding the row's scale later costs."""
+    hidden, qkv = MODELS["llama-3.2-1b"][0], MODELS["llama-3.2-1b"][1]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE, generator=generator)
+    w = (torch.randn(qkv, hidden, device="cuda", dtype=DTYPE, generator=generator) / hidden**0.5).to(DTYPE)
+    norm_w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=generator)).to(DTYPE)
+    x64 = x.double()
+    reference = F.linear(norm_w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS), w.double())
+    unfused = F.linear((norm_w.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS))
+                        .to(DTYPE).float()).to(DTYPE), w)
+    out = []
+    for name, result in (("unfused torch", unfused),
+                         ("prologue", linear_few_rows(x, w, norm_weight=norm_w, eps=EPS)),
+                         ("norm after", linear_few_rows(x, w, norm_weight=norm_w, eps=EPS, norm_after=True))):
+        out.append({"variant": name, "max_abs_error": float((result.double() - reference).abs().max())})
+        print(f"norm error, 1B QKV, {rows} rows: {name:13} {out[-1]['max_abs_error']:.3e}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--tiles-from", metavar="JSON",
+                        help="take the best tiles from an earlier run's JSON and skip the sweep")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "default_tile": DEFAULT_TILE.__dict__,
                "hbm_tb_per_s": measure_read_bandwidth(torch.device("cuda")) / 1e12,
                "sweep": [], "best_tiles": {}, "layer": []}
     print(f"HBM read bandwidth {results['hbm_tb_per_s']:.2f} TB/s", flush=True)
-    sweep(results)
+    results["norm_error"] = norm_after_error()
+    if args.tiles_from:
+        with open(args.tiles_from) as f:
+            results["best_tiles"] = json.load(f)["best_tiles"]
+    else:
+        sweep(results)
     layer(results, (2, 4, 8, 16))
     if args.json:
         with open(args.json, "w") as f:

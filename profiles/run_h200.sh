@@ -5,7 +5,7 @@
 # bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, tests-engine
 # those of the decode runner and engine, profile-8b
 # profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
-# few-rows the 2-16-row kernel's sweep, decode-splits the attention's split counts at head size 64,
+# few-rows the 2-16-row kernel's sweep (few-rows-norm-after its layers with the norm after the products), decode-splits the attention's split counts at head size 64,
 # merge-tile the merge's tile size (notes_fusion.md after change 13), grid-barrier a phase dependency's
 # cost as a kernel boundary and as a grid barrier.
 set -uo pipefail
@@ -77,6 +77,11 @@ for stage in $stages; do
     few-rows)
       log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"
       python profiles/bench_few_rows.py --json "$OUT/few_rows.json"
+      ;;
+    few-rows-norm-after)
+      log "decode layers at 2-16 rows: the few-rows kernel with the norm applied after the products (measured tiles)"
+      python profiles/bench_few_rows.py --tiles-from profiles/results/few_rows_h200.json \
+        --json "$OUT/few_rows_norm_after.json"
       ;;
     gemv-tma)
       log "batch-1 GEMV: register loads against TMA-pipelined weight slices"
