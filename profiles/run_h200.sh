@@ -2,12 +2,12 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, dependent, gemv, profile, host, nvtx; tests-all runs every gpu-marked test, tests-engine
-# those of the decode runner and engine, profile-8b
-# profiles the 8B's batch-1 step with plain and dependent launches, gemv-tma runs the TMA experiment,
-# few-rows the 2-16-row kernel's sweep (few-rows-norm-after its layers with the norm after the products), decode-splits the attention's split counts at head size 64,
-# merge-tile the merge's tile size (notes_fusion.md after change 13), grid-barrier a phase dependency's
-# cost as a kernel boundary and as a grid barrier.
+# bench-sampling, dependent, gemv, profile, host, nvtx. Others: tests-all (every gpu-marked test),
+# tests-engine (those of the decode runner and engine), profile-8b (the 8B's batch-1 step with plain and
+# dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
+# few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
+# counts at head size 64), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
+# kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
 set -uo pipefail
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
