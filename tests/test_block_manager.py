@@ -240,6 +240,17 @@ def test_can_grow_and_grow():
     assert m.block_table(1) == [1, 2, 3]
 
 
+def test_can_grow_all_counts_the_blocks_together():
+    m = BlockManager(6, 4)  # 5 usable
+    m.allocate(1, 4)
+    m.allocate(2, 4)  # 3 free
+    assert m.can_grow(1, 12) and m.can_grow(2, 12)  # each alone fits (2 more blocks)
+    assert not m.can_grow_all([(1, 12), (2, 12)])  # together they need 4
+    assert m.can_grow_all([(1, 12), (2, 8)])  # 2 + 1
+    assert m.can_grow_all([(1, 4), (2, 3)])  # nothing to add
+    assert m.num_free_blocks == 3  # asking changes nothing
+
+
 def test_grow_is_all_or_nothing():
     m = BlockManager(4, 2)  # 3 usable
     m.allocate(1, 2)

@@ -109,3 +109,24 @@ def test_max_model_len_finishes_with_length():
     out = small.generate([_prompts(1, seed=8)[0][:15]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 20
+
+
+def test_scheduler_can_admit_mirrors_the_prefill_rules():
+    from graphrt.block_manager import BlockManager
+    from graphrt.scheduler import Scheduler
+    from graphrt.sequence import Sequence
+
+    def seq(seq_id: int, length: int) -> Sequence:
+        return Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=list(range(length)),
+                        params=SamplingParams(), seed=0)
+
+    scheduler = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=10)  # 3 usable blocks
+    assert not scheduler.can_admit()  # nothing waiting
+    scheduler.add(seq(0, 12))
+    assert not scheduler.can_admit()  # 12 tokens exceed the 10-token budget
+    scheduler.waiting.clear()
+    scheduler.add(seq(1, 9))
+    assert scheduler.can_admit() and not scheduler.can_admit(token_budget=8)
+    assert scheduler.schedule().prefills  # admitted: 3 blocks taken
+    scheduler.add(seq(2, 1))
+    assert not scheduler.can_admit()  # no block left
