@@ -272,7 +272,11 @@ class DecodeGraphRunner:
 
     def fits_static_buffers(self, batch: DecodeBatch) -> bool:
         """Whether ``batch`` runs through the static buffers (replayed, or eager on the same tensors)."""
-        return len(batch) <= self.max_batch_size and max(batch.seq_lens, default=0) <= self.max_seq_len
+        return self.fits(len(batch), max(batch.seq_lens, default=0))
+
+    def fits(self, rows: int, longest_seq_len: int) -> bool:
+        """Whether ``rows`` rows whose longest holds ``longest_seq_len`` keys fit the static buffers."""
+        return rows <= self.max_batch_size and longest_seq_len <= self.max_seq_len
 
     def _refresh(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False) -> str:
         """Write ``batch`` into the static buffers (rows padded to ``padded``; input ids left on the

@@ -73,8 +73,7 @@ class ModelRunner:
     def can_launch_ahead(self, decodes: list[Sequence]) -> bool:
         """Whether ``launch_decode(decodes, ahead=True)`` can run: one row further, the batch still fits
         the decode runner's static buffers (rows that outgrow them decode eagerly, from host ids)."""
-        runner = self.decode_runner
-        return len(decodes) <= runner.max_batch_size and all(seq.num_tokens + 1 <= runner.max_seq_len for seq in decodes)
+        return self.decode_runner.fits(len(decodes), max((seq.num_tokens + 1 for seq in decodes), default=0))
 
     def _decode_batch(self, decodes: list[Sequence], ahead: bool = False) -> DecodeBatch:
         """The decode of each sequence's newest token (``ahead``: of the token after it, see ``launch_decode``)."""

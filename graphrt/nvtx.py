@@ -70,6 +70,7 @@ _COLORS = {
     "decode": 0xFF55A868,
     "decode.prepare": 0xFFCCB974,
     "decode.replay": 0xFF64B5CD,
+    "decode.wait": 0xFF8C8C8C,
     "decode.eager": 0xFFDD8452,
     "sample": 0xFF937860,
     "capture": 0xFFDA8BC3,

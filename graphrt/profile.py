@@ -10,7 +10,7 @@ correlation id of the launch that issued it (``cudaLaunchKernel``, ``cuLaunchKer
 Per step (means over the recorded steps), all times in microseconds:
 
 - ``step_wall_us``: the step's host wall time (refresh, replay or eager forward, sampling, the token
-  copy back, which waits for the GPU), under the profiler; ``step_wall_us_unprofiled``: the median of
+  copy back and the wait for it), under the profiler; ``step_wall_us_unprofiled``: the median of
   the timed warm-up steps, without it.
 - ``kernels_per_step``, ``kernel_us_per_step`` (sum of kernel durations), ``memcpy_per_step``,
   ``memset_per_step``, ``copy_us_per_step``.

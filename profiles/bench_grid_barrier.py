@@ -3,7 +3,8 @@
 a grid-wide barrier inside one persistent kernel (what a kernel per decoder layer would pay instead,
 profiles/notes_fusion.md "Next").
 
-Both run ``PHASES`` dependent phases over ``programs`` programs (one or two a multiprocessor). In each
+Both run ``PHASES`` dependent phases over ``programs`` programs (half the multiprocessors, then all of
+them; one program each). In each
 phase every program reads the value the previous phase left (one float per program, written by another
 program) and writes its own: a real dependency and almost no work, so the time per phase is the cost
 of the dependency itself. Timed as CUDA-graph replays (medians), like the decode step.

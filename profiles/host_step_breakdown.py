@@ -62,7 +62,7 @@ def measure(args) -> dict:
         end.record()
         end.synchronize()
         parts["replay_gpu"].append(start.elapsed_time(end) / 1e3)
-    if args.cprofile:  # the host functions a decode call spends its time in (the GPU wait shows as tolist)
+    if args.cprofile:  # the host functions a decode call spends its time in (the GPU wait shows as the token event's synchronize)
         import cProfile
         import pstats
 

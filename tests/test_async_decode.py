@@ -218,6 +218,7 @@ def test_runner_refuses_what_it_cannot_carry_and_keeps_unread_tokens(async_llm):
         # A third launch reuses the oldest one's pinned buffer: it reads the oldest's tokens first.
         third = runner.launch(_batch(engine, seq_ids, 8, [1, 2]))
         assert first.result() == expected[0] and third.result() == expected[1]
+        assert first.ready() and third.ready()
     finally:
         for sid in seq_ids:
             manager.free(sid)

@@ -21,8 +21,10 @@ Rules every kernel launched with ``launch_pdl=True`` here follows:
   kernel (the embedding lookup), which starts after the upload and after the previous step's last
   kernel; a dependent kernel starts only once every program of the kernel before it has started, so by
   induction after that first kernel: those bytes are final before any program of the chain runs;
-* ``gdc_launch_dependents`` comes first: it only lets the next kernel's programs be scheduled into
-  free slots, where they wait; correctness never depends on where it sits.
+* ``gdc_launch_dependents`` comes early (before the weight loads): it only lets the next kernel's
+  programs be scheduled into free slots, where they wait; correctness never depends on where it sits.
+  (The fused QKV kernel issues its position, rotary and slot loads just before it: not timed against
+  the other order yet.)
 
 Measured on the H200 (profiles/notes_fusion.md, change 7): a layer's four batch-1 GEMV kernels
 43.7 -> 40.7 us (Llama-3.2-1B), 13.1 -> 8.8 us (SmolLM2-135M), with identical outputs.

@@ -111,8 +111,9 @@ def row_products(
     """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
     each (without PAIRED the second is the first). With PDL it lets the next kernel start, loads the
     first weight slice, then waits for the previous kernel before reading x: call it before anything
-    in the kernel that reads what the step's kernels write (only the step's host-uploaded inputs may be
-    read before it; see ``graphrt.kernels.dependent_launch``)."""
+    in the kernel that reads what the step's kernels write (only what none of them writes, weights,
+    tables and the step's host-uploaded inputs, may be read before it; see
+    ``graphrt.kernels.dependent_launch``)."""
     # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
     # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
     k_offsets = tl.arange(0, BLOCK_K)[None, :]
