@@ -139,12 +139,13 @@ class AttentionBackend(ABC):
         positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
         keep_input_ids: bool = False,
+        carry_rows: list[int] | None = None,
     ) -> None:
         """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
         (token 0 at position 0, slot -1, length 1, null block); ``keep_input_ids`` leaves the device's
-        token ids as they are. See ``DecodeGraphState.refresh``."""
+        token ids as they are (``carry_rows``: their source rows, staged). See ``DecodeGraphState.refresh``."""
         state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions,
-                      block_table_versions, keep_input_ids)
+                      block_table_versions, keep_input_ids, carry_rows)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:

@@ -28,6 +28,7 @@ class DecodeGraphState:
     """
 
     input_ids: torch.Tensor  # [B] int64, the token each row decodes
+    carry_rows: torch.Tensor  # [B] int64, a pipelined step's source rows (see ``refresh``'s ``carry_rows``)
     positions: torch.Tensor  # [B] int64
     slot_mapping: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int32
@@ -35,7 +36,7 @@ class DecodeGraphState:
     block_tables: torch.Tensor  # [B, M] int32
     query_lens: torch.Tensor  # [B] int32, all ones (decode)
     query_start_loc: torch.Tensor  # [B + 1] int32, arange (one token per row)
-    #: The buffers behind the six fields above and their host mirror.
+    #: The buffers behind the seven fields above and their host mirror.
     packed: PackedStaging
     #: [B] int64: per staging row, the version of the block table it holds (``_UNKNOWN`` when not known,
     #: ``_PADDING`` for a padding row's null-block row).
@@ -59,6 +60,7 @@ class DecodeGraphState:
         batch, width = max_batch_size, -(-max_seq_len // block_size)
         packed = PackedStaging([
             ("input_ids", torch.int64, (batch,)),
+            ("carry_rows", torch.int64, (batch,)),
             ("positions", torch.int64, (batch,)),
             ("slot_mapping", torch.int64, (batch,)),
             ("seq_lens", torch.int32, (batch,)),
@@ -112,6 +114,7 @@ class DecodeGraphState:
         positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
         keep_input_ids: bool = False,
+        carry_rows: list[int] | None = None,
     ) -> None:
         """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
         numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
@@ -121,7 +124,9 @@ class DecodeGraphState:
         conversion. ``keep_input_ids``: leave the device's ``input_ids`` as they are (``input_ids`` is
         ignored; the copy starts after that field): the graph runner's pipelined decode, whose tokens
         are the previous step's samples, already on the device; padding rows then keep the ids they
-        sampled (vocabulary ids like any other: a padding row's result is never read). Raises ValueError for a row that
+        sampled (vocabulary ids like any other: a padding row's result is never read). ``carry_rows``
+        (with ``keep_input_ids``): one source row per real row, staged into ``carry_rows`` for the
+        runner's gather (``DecodeGraphRunner.launch``). Raises ValueError for a row that
         exceeds the captured maximum context; nothing is copied then.
 
         The copy reads the staging buffer when the stream reaches it, so a refresh first waits until
@@ -139,6 +144,10 @@ class DecodeGraphState:
         self.packed.wait_until_uploaded()
         host = self.packed.host
         n = padded_batch_size
+        if carry_rows is not None:
+            if not keep_input_ids or len(carry_rows) != batch:
+                raise ValueError("carry_rows needs keep_input_ids and one source row per row")
+            host["carry_rows"][:batch] = carry_rows
         for name, values in (("input_ids", input_ids), ("positions", positions)):
             if name == "input_ids" and keep_input_ids:
                 continue
@@ -168,7 +177,7 @@ class DecodeGraphState:
             staged[batch:n] = _PADDING
         # Later block-table rows are not read; input_ids comes first, so keeping it skips a prefix.
         self.packed.upload(self.packed.bytes_through("block_tables", n),
-                           first_byte=self.packed.field_start("positions") if keep_input_ids else 0)
+                           first_byte=self.packed.field_start("carry_rows") if keep_input_ids else 0)
 
 
 #: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.

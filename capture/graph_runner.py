@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -182,25 +183,39 @@ class DecodeGraphRunner:
         return self.launch(batch).result()
 
     @torch.inference_mode()
-    def launch(self, batch: DecodeBatch, carry_input_ids: bool = False) -> PendingTokens:
+    def launch(self, batch: DecodeBatch, carry_input_ids: bool = False,
+               carry_rows: Sequence[int] | None = None) -> PendingTokens:
         """Queue one decode step of ``batch`` (refresh, replay or eager forward, the copy of its tokens
         to pinned host memory) without waiting for it; its tokens come from the returned ``result()``.
 
         ``carry_input_ids``: every row's input is the token the same row sampled in the previous launch,
         which is still on the device (``batch.input_ids`` is ignored): the next step can be queued
         before the previous one's tokens reached the host, so the host's work for step n + 1 overlaps
-        the GPU's for step n. Needs the previous launch to have run through the static buffers with at
-        least ``len(batch)`` rows, and ``batch`` to fit them (``fits_static_buffers``); ValueError
-        otherwise, with nothing queued.
+        the GPU's for step n. ``carry_rows`` (implies carrying): row i's input is the token the previous
+        launch's row ``carry_rows[i]`` sampled, for a batch that dropped rows (sequences that finished);
+        a gather of the ids, on the device, before the replay. Needs the previous launch to have run
+        through the static buffers with the rows named (the first ``len(batch)`` without ``carry_rows``),
+        and ``batch`` to fit them (``fits_static_buffers``); ValueError otherwise, with nothing queued.
 
         Two launches may await ``result()`` at once; a third first reads the tokens of the oldest (waits
         for it; its ``result()`` still returns them), whose pinned buffer it reuses. A launch's refresh
         waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
-        if carry_input_ids:
-            if len(batch) > self._carried_rows:
-                raise ValueError(f"cannot carry the input ids of {len(batch)} rows: the previous launch left "
+        if carry_rows is not None:
+            carry_rows = list(carry_rows)
+            if len(carry_rows) != len(batch):
+                raise ValueError(f"carry_rows names {len(carry_rows)} source rows for a batch of {len(batch)}")
+            outside = [row for row in carry_rows if not 0 <= row < self._carried_rows]
+            if outside:
+                raise ValueError(f"cannot carry the input id of row {outside[0]}: the previous launch left "
                                  f"{self._carried_rows} sampled rows in the static buffers")
+            if carry_rows == list(range(len(batch))):
+                carry_rows = None  # the rows stay where they are: nothing to gather
+            carry_input_ids = True
+        elif carry_input_ids and len(batch) > self._carried_rows:
+            raise ValueError(f"cannot carry the input ids of {len(batch)} rows: the previous launch left "
+                             f"{self._carried_rows} sampled rows in the static buffers")
+        if carry_input_ids:
             if not self.fits_static_buffers(batch):
                 raise ValueError("a batch that carries its input ids must fit the static buffers "
                                  f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
@@ -210,13 +225,13 @@ class DecodeGraphRunner:
             holder.result()  # read before its buffer is reused (at once unless two launches are unread)
         if not len(batch):
             return PendingTokens(self._token_buffers[slot][:0], None)
-        tokens = self._run(batch, carry_input_ids)
+        tokens = self._run(batch, carry_input_ids, carry_rows)
         pending = PendingTokens.copy_to_host(tokens, self._token_buffers[slot])
         self._token_holders[slot] = pending
         self._next_token_buffer = 1 - slot
         return pending
 
-    def _run(self, batch: DecodeBatch, carry_input_ids: bool) -> torch.Tensor:
+    def _run(self, batch: DecodeBatch, carry_input_ids: bool, carry_rows: list[int] | None) -> torch.Tensor:
         """Queue the step's work; returns the [len(batch)] int64 device tensor its tokens land in."""
         reason = self._eager_reason_for(batch)
         if reason is not None:
@@ -227,11 +242,12 @@ class DecodeGraphRunner:
                     return self._decode_unbuffered(batch)
                 # No graph to match: bound attention by this batch's longest row, not the captured maximum.
                 return self._decode_static(batch, len(batch), replay=False, carry_input_ids=carry_input_ids,
-                                           max_seq_len=max(batch.seq_lens))
+                                           carry_rows=carry_rows, max_seq_len=max(batch.seq_lens))
         padded = choose_bucket(self.capture_sizes, len(batch))
         self.stats.replays_per_bucket[padded] += 1
         self.stats.padded_rows += padded - len(batch)
-        return self._decode_static(batch, padded, replay=True, carry_input_ids=carry_input_ids)
+        return self._decode_static(batch, padded, replay=True, carry_input_ids=carry_input_ids,
+                                   carry_rows=carry_rows)
 
     @torch.inference_mode()
     def eager_decode(self, batch: DecodeBatch) -> list[int]:
@@ -243,9 +259,14 @@ class DecodeGraphRunner:
         return self._decode_static(batch, padded, replay=False, carry_input_ids=False).tolist()
 
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, carry_input_ids: bool,
-                       max_seq_len: int | None = None) -> torch.Tensor:
+                       carry_rows: list[int] | None = None, max_seq_len: int | None = None) -> torch.Tensor:
         with nvtx.decode_prepare():
-            mode = self._refresh(batch, padded, carry_input_ids)
+            mode = self._refresh(batch, padded, carry_input_ids, carry_rows)
+            if carry_rows is not None:
+                # Row i takes the token row carry_rows[i] sampled: gathered into a new tensor first,
+                # since the rows read and the rows written share input_ids.
+                gathered = self.input_ids.index_select(0, self.graph_state.carry_rows[: len(batch)])
+                self.input_ids[: len(batch)].copy_(gathered)
         self._carried_rows = len(batch)
         if not replay:
             self._forward(padded, mode, max_seq_len)
@@ -278,14 +299,16 @@ class DecodeGraphRunner:
         """Whether ``rows`` rows whose longest holds ``longest_seq_len`` keys fit the static buffers."""
         return rows <= self.max_batch_size and longest_seq_len <= self.max_seq_len
 
-    def _refresh(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False) -> str:
+    def _refresh(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False,
+                 carry_rows: list[int] | None = None) -> str:
         """Write ``batch`` into the static buffers (rows padded to ``padded``; input ids left on the
-        device with ``carry_input_ids``); returns its sampling mode."""
+        device with ``carry_input_ids``, their source rows staged with ``carry_rows``); returns its
+        sampling mode."""
         mode = batch.sampling_mode
         self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
                                          padded, input_ids=batch.input_ids, positions=batch.positions,
                                          block_table_versions=batch.block_table_versions,
-                                         keep_input_ids=carry_input_ids)
+                                         keep_input_ids=carry_input_ids, carry_rows=carry_rows)
         if mode != "greedy":  # greedy graphs never read the sampling rows: skip their copy
             self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
         return mode

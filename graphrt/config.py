@@ -231,8 +231,9 @@ class EngineConfig:
     #: inputs are step n's sampled tokens, fed back on the device), so the host's work of a step overlaps
     #: the GPU's. A stop token is seen a step late: the row rides along one more step (its token dropped),
     #: so the others decode that step in a larger batch (in 16-bit dtypes a near-tie can resolve
-    #: differently, as between batch sizes); otherwise the tokens are the synchronous engine's. A step
-    #: that admits prompts, preempts, or changes the batch otherwise waits first. None = on for CUDA.
+    #: differently, as between batch sizes); otherwise the tokens are the synchronous engine's. Finished
+    #: sequences leave the pipelined batch without a pause; a step that admits prompts or preempts waits
+    #: first. None = on for CUDA.
     async_decode: bool | None = None
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0

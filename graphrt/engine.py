@@ -178,10 +178,10 @@ class LLMEngine:
         ``in_flight``: the next step decodes that token again, with the same seed and step index."""
         try:
             with nvtx.range("schedule"):
-                following = self._schedule_following(in_flight.seqs)
+                following, rows = self._schedule_following(in_flight.seqs)
             self._in_flight = None
-            if following is not None:
-                self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead=True))
+            if following:
+                self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead_from=rows))
             token_ids = in_flight.tokens.result()
         except BaseException:
             self._in_flight = None
@@ -201,27 +201,28 @@ class LLMEngine:
             self._in_flight = None
         return outputs
 
-    def _schedule_following(self, seqs: list[Sequence]) -> list[Sequence] | None:
-        """The decode after the in-flight one, planned before its tokens are known: the same sequences
-        in the same rows, their tables grown by one position. None (wait for the tokens, then schedule
-        as usual) when the batch would change: a sequence finished or reaches max_tokens or
-        max_model_len with the token in flight, a waiting prompt can be admitted, the blocks do not
-        fit (preemption), or the rows outgrow the decode graphs' static buffers."""
-        if self.scheduler.can_admit(self.max_num_batched_tokens - len(seqs)):
-            return None
-        for seq in seqs:
-            if (seq.is_finished or len(seq.output_token_ids) + 1 >= seq.params.max_tokens
-                    or seq.num_tokens + 1 >= self.max_model_len):
-                return None
-        if not self.runner.can_launch_ahead(seqs):
-            return None
+    def _schedule_following(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The decode after the in-flight one, planned before its tokens are known: the in-flight
+        sequences that carry on, with the rows (of the in-flight launch) their inputs come from, their
+        tables grown by one position. A sequence that finished (a stop token, seen now) or ends with the
+        token in flight (max_tokens, max_model_len) is left out. Nothing (wait for the tokens, then
+        schedule as usual) when a waiting prompt can be admitted, the blocks do not fit (preemption),
+        or the rows outgrow the decode graphs' static buffers."""
+        rows = [row for row, seq in enumerate(seqs)
+                if not (seq.is_finished or len(seq.output_token_ids) + 1 >= seq.params.max_tokens
+                        or seq.num_tokens + 1 >= self.max_model_len)]
+        following = [seqs[row] for row in rows]
+        if not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following)):
+            return [], []
+        if not self.runner.can_launch_ahead(following):
+            return [], []
         # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
-        targets = [(seq.seq_id, seq.num_tokens + 1) for seq in seqs]
+        targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]
         if not self.block_manager.can_grow_all(targets):
-            return None
+            return [], []
         for seq_id, num_tokens in targets:
             self.block_manager.grow(seq_id, num_tokens)
-        return seqs
+        return following, rows
 
     def _record_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
         """Append each sequence's new token, release the finished ones; returns their outputs."""

@@ -60,15 +60,16 @@ class ModelRunner:
                 seq.num_computed_tokens = seq.num_tokens
         return tokens
 
-    def launch_decode(self, decodes: list[Sequence], ahead: bool = False) -> PendingTokens:
+    def launch_decode(self, decodes: list[Sequence], ahead_from: list[int] | None = None) -> PendingTokens:
         """Queue the decode of ``decodes`` without waiting for it (``DecodeGraphRunner.launch``).
 
-        ``ahead``: each sequence's newest token is still on the device, sampled by the previous launch
-        in the same row, and not yet appended: its position is ``num_tokens`` and its input id is carried
-        on the device. The block tables must already cover that position. The caller appends the
-        tokens and advances ``num_computed_tokens`` when it reads them."""
+        ``ahead_from``: each sequence's newest token is still on the device, sampled by the previous
+        launch in row ``ahead_from[i]``, and not yet appended: its position is ``num_tokens`` and its
+        input id is carried on the device. The block tables must already cover that position. The
+        caller appends the tokens and advances ``num_computed_tokens`` when it reads them."""
+        ahead = ahead_from is not None
         with nvtx.decode(len(decodes)):
-            return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_input_ids=ahead)
+            return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_rows=ahead_from)
 
     def can_launch_ahead(self, decodes: list[Sequence]) -> bool:
         """Whether ``launch_decode(decodes, ahead=True)`` can run: one row further, the batch still fits

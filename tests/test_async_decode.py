@@ -36,9 +36,9 @@ def _count_launches(engine, monkeypatch) -> dict:
     runner = engine.runner.decode_runner
     original = runner.launch
 
-    def counting(batch, carry_input_ids=False):
-        counts["carried" if carry_input_ids else "fed"] += 1
-        return original(batch, carry_input_ids)
+    def counting(batch, carry_input_ids=False, carry_rows=None):
+        counts["carried" if carry_input_ids or carry_rows is not None else "fed"] += 1
+        return original(batch, carry_input_ids, carry_rows)
 
     monkeypatch.setattr(runner, "launch", counting)
     return counts
@@ -53,9 +53,9 @@ def test_async_greedy_matches_sync_and_pipelines(sync_llm, async_llm, monkeypatc
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 1)]
     counts = _count_launches(async_llm.engine, monkeypatch)
     assert _outputs(async_llm, prompts, params) == _outputs(sync_llm, prompts, params)
-    # Most decodes follow the one before blind; each change of the batch (a request reaching
-    # max_tokens) restarts the pipeline with a launch fed from the host.
-    assert counts["carried"] >= 5 and counts["fed"] >= 2
+    # After the first, every decode follows the one before blind: requests reaching max_tokens leave
+    # the batch without a pause (their rows dropped, the others' ids gathered on the device).
+    assert counts["fed"] == 1 and counts["carried"] == 10
     engine = async_llm.engine
     assert engine._in_flight is None and not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
@@ -196,6 +196,31 @@ def test_runner_carried_input_ids_equal_host_fed(async_llm):
         fed, carried = steps(carry=False), steps(carry=True)
         assert carried == fed
         assert len({tuple(t) for t in fed}) > 1, "the steps should produce different tokens"
+    finally:
+        for sid in seq_ids:
+            manager.free(sid)
+
+
+def test_runner_carries_ids_from_other_rows(async_llm):
+    """A step that dropped a row (a finished sequence) takes each remaining row's id from the row it
+    sat in before: the same tokens as feeding the sampled ids back from the host."""
+    engine = async_llm.engine
+    runner = engine.runner.decode_runner
+    manager = engine.block_manager
+    seq_ids = [920, 921, 922, 923]
+    for sid in seq_ids:
+        manager.allocate(sid, 20)
+    try:
+        first = runner.decode(_batch(engine, seq_ids, 17, [5, 77, 300, 41]))
+        kept = [0, 2, 3]  # row 1 finished
+        fed = runner.decode(_batch(engine, [seq_ids[r] for r in kept], 18, [first[r] for r in kept]))
+        runner.decode(_batch(engine, seq_ids, 17, [5, 77, 300, 41]))
+        carried = runner.launch(_batch(engine, [seq_ids[r] for r in kept], 18, [0, 0, 0]), carry_rows=kept).result()
+        assert carried == fed
+        with pytest.raises(ValueError, match="cannot carry the input id of row 3"):
+            runner.launch(_batch(engine, seq_ids[:2], 18, [0, 0]), carry_rows=[0, 3])
+        with pytest.raises(ValueError, match="names 1 source rows for a batch of 2"):
+            runner.launch(_batch(engine, seq_ids[:2], 18, [0, 0]), carry_rows=[0])
     finally:
         for sid in seq_ids:
             manager.free(sid)
