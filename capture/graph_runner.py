@@ -103,6 +103,8 @@ class DecodeGraphRunner:
         self._token_buffers = [torch.zeros(bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                                for _ in range(2)]
         self._token_holders: list[PendingTokens | None] = [None, None]
+        #: The event recorded after each buffer's copy (reused like the buffer: no event made per step).
+        self._token_events = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(2)]
         self._next_token_buffer = 0
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
         #: Token choice: the fused kernels' ``sample_fused`` when the model runs fused kernels, else
@@ -226,7 +228,7 @@ class DecodeGraphRunner:
         if not len(batch):
             return PendingTokens(self._token_buffers[slot][:0], None)
         tokens = self._run(batch, carry_input_ids, carry_rows)
-        pending = PendingTokens.copy_to_host(tokens, self._token_buffers[slot])
+        pending = PendingTokens.copy_to_host(tokens, self._token_buffers[slot], self._token_events[slot])
         self._token_holders[slot] = pending
         self._next_token_buffer = 1 - slot
         return pending
@@ -366,9 +368,11 @@ class PendingTokens:
         self._tokens: list[int] | None = None
 
     @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor, host_buffer: torch.Tensor) -> PendingTokens:
+    def copy_to_host(cls, tokens: torch.Tensor, host_buffer: torch.Tensor,
+                     copied: torch.cuda.Event | None) -> PendingTokens:
         """Queue the copy of device ``tokens`` [n] into the first n entries of the pinned ``host_buffer``
-        (into a new pinned buffer when n exceeds it: a batch larger than the static buffers)."""
+        (into a new pinned buffer when n exceeds it: a batch larger than the static buffers), then record
+        ``copied`` after it (CUDA tokens; the event must not be awaited by an unread earlier launch)."""
         count = tokens.shape[0]
         if count <= host_buffer.shape[0]:
             host = host_buffer[:count]
@@ -378,12 +382,11 @@ class PendingTokens:
             host.copy_(tokens)
             return cls(host, None)
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(tokens.device))
         return cls(host, copied)
 
     def ready(self) -> bool:
-        return self._copied is None or self._copied.query()
+        return self._tokens is not None or self._copied is None or self._copied.query()
 
     def result(self) -> list[int]:
         if self._tokens is None:

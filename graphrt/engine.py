@@ -149,8 +149,9 @@ class LLMEngine:
         """Run one scheduled step; returns the requests that got a token (finished ones included).
 
         With ``async_decode`` a decode-only step is queued and its tokens are returned by the next
-        call, which first queues the step after it when the batch carries on unchanged: a call may
-        return no outputs while requests are unfinished."""
+        call, which first queues the step after it (the sequences that carry on) unless a prompt is
+        to be admitted or the blocks run out: a call may return no outputs while requests are
+        unfinished."""
         with nvtx.range("step"):
             if self._in_flight is not None:
                 return self._step_pipelined(self._in_flight)
@@ -209,8 +210,7 @@ class LLMEngine:
         schedule as usual) when a waiting prompt can be admitted, the blocks do not fit (preemption),
         or the rows outgrow the decode graphs' static buffers."""
         rows = [row for row, seq in enumerate(seqs)
-                if not (seq.is_finished or len(seq.output_token_ids) + 1 >= seq.params.max_tokens
-                        or seq.num_tokens + 1 >= self.max_model_len)]
+                if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
         following = [seqs[row] for row in rows]
         if not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following)):
             return [], []

@@ -56,13 +56,19 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def at_length_limit(self, max_model_len: int, pending: int = 0) -> bool:
+        """Whether ``max_tokens`` or ``max_model_len`` is reached, counting ``pending`` tokens sampled
+        but not appended yet (a pipelined engine's token in flight)."""
+        return (len(self.output_token_ids) + pending >= self.params.max_tokens
+                or self.num_tokens + pending >= max_model_len)
+
     def append_token(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token; finish the sequence when a stop condition holds."""
         self.output_token_ids.append(token_id)
         stop_ids = self.params.stop_token_ids
         if token_id in stop_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        elif self.at_length_limit(max_model_len):
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is not None:
             self.status = SequenceStatus.FINISHED

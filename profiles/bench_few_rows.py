@@ -173,16 +173,9 @@ def linear_few_rows(
     same; it rounds ``x * weight`` to the model dtype where the unfused ops round ``weight * (x / rms)``.
     Nothing is allocated when ``out`` is given, and the launch depends on shapes only: safe inside a
     CUDA graph."""
-    if epilogue not in (gemv.EPILOGUE_STORE, gemv.EPILOGUE_ADD_TO_OUT, gemv.EPILOGUE_SILU_MUL):
-        raise ValueError(f"unknown epilogue {epilogue!r}")
-    rows, in_features = gemv.check_operands(x, weight, bias, norm_weight,
-                                            paired_bias_free=epilogue == gemv.EPILOGUE_SILU_MUL)
+    rows, in_features, out_features, out = gemv.linear_operands(x, weight, bias, norm_weight, epilogue, out)
     if rows > ROWS_PAD:
         raise ValueError(f"{rows} rows exceed the {ROWS_PAD} this kernel takes; use torch.nn.functional.linear")
-    out_features = weight.shape[0] // 2 if epilogue == gemv.EPILOGUE_SILU_MUL else weight.shape[0]
-    if out is None and epilogue == gemv.EPILOGUE_ADD_TO_OUT:
-        raise ValueError("the residual-add epilogue needs out, the tensor to add into")
-    out = gemv.output_for(x, out, out_features)
     if rows == 0:
         return out
     tile = tile or DEFAULT_TILE

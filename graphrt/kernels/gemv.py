@@ -294,6 +294,21 @@ def output_for(x: torch.Tensor, out: torch.Tensor | None, out_features: int) -> 
     return out
 
 
+def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    norm_weight: torch.Tensor | None, epilogue: int,
+                    out: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+    """Checks a fused linear launch's operands as ``linear_gemv`` documents them (epilogue, shapes,
+    dtypes, the residual add's ``out``); returns (rows, in_features, out_features, out), ``out``
+    allocated when None."""
+    if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL):
+        raise ValueError(f"unknown epilogue {epilogue!r}")
+    rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL)
+    out_features = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
+    if out is None and epilogue == EPILOGUE_ADD_TO_OUT:
+        raise ValueError("the residual-add epilogue needs out, the tensor to add into")
+    return rows, in_features, out_features, output_for(x, out, out_features)
+
+
 def linear_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -323,13 +338,7 @@ def linear_gemv(
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
     """
-    if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL):
-        raise ValueError(f"unknown epilogue {epilogue!r}")
-    rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL)
-    out_features = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
-    if out is None and epilogue == EPILOGUE_ADD_TO_OUT:
-        raise ValueError("the residual-add epilogue needs out, the tensor to add into")
-    out = output_for(x, out, out_features)
+    rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out)
     if rows == 0:
         return out
     config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
