@@ -56,7 +56,8 @@ class DecodeBatch:
     @property
     def sampling_mode(self) -> str:
         """The graph this batch replays: ``greedy`` (every row), ``temperature`` (some row samples, none
-        uses top-k or top-p) or ``sample`` (the general path, which sorts the vocabulary)."""
+        uses top-k or top-p) or ``sample`` (the general path, which filters top-k / top-p rows: with the fused kernels by a threshold
+        search, ``graphrt.kernels.top_k_top_p``, else by sorting the vocabulary)."""
         if self.all_greedy:
             return "greedy"
         return "sample" if any(p.filtered for p in self.params) else "temperature"

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: Graphs are captured per sampling mode (``DecodeBatch.sampling_mode``): "greedy" is a bare argmax;
 #: "temperature" samples without top-k / top-p (greedy rows mixed in), with fused kernels in two short
-#: passes over the logits; "sample" adds the general path for top-k / top-p rows, which sorts the vocabulary.
+#: passes over the logits; "sample" adds the general path for top-k / top-p rows, which with fused kernels finds each row's
+#: filter boundary by a threshold search (``graphrt.kernels.top_k_top_p``) and otherwise sorts the vocabulary.
 SAMPLING_MODES = ("greedy", "temperature", "sample")
 
 

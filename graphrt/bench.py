@@ -285,7 +285,7 @@ def write_plot(result: dict, path: str) -> None:
 
 def main(args) -> int:
     print(HEADER)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
                        fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
                        compare_unfused=args.compare_unfused, params=params)

@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="every row's sampling temperature (default 0: greedy)")
+    bench.add_argument("--top-k", type=int, default=0, help="every row's top-k (default 0: off)")
     bench.add_argument("--top-p", type=float, default=1.0, help="every row's top-p (default 1: off)")
     bench.add_argument("--compare-unfused", action="store_true",
                        help="also time the graphs built with the unfused reference kernels (CUDA only)")

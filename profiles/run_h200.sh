@@ -2,9 +2,10 @@
 # One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
 # everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
 # installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling, dependent, gemv, profile, host, nvtx. Others: tests-all (every gpu-marked test),
-# tests-engine (those of the decode runner and engine), profile-8b (the 8B's batch-1 step with plain and
-# dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
+# bench-sampling (the samplers alone, then engine steps with temperature, top-p and top-k + top-p),
+# dependent, gemv, profile, host, nvtx. Others: tests-all (every gpu-marked test), tests-engine (those of
+# the decode runner and engine), tests-sampling (the samplers'), profile-8b (the 8B's batch-1 step with
+# plain and dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
 # few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
 # counts at head size 64), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
 # kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
@@ -47,11 +48,20 @@ for stage in $stages; do
         --json "$OUT/bench_llama8b.json"
       ;;
     bench-sampling)
-      log "bench llama-3.2-1b ctx 512, temperature 0.8 (fused kernel) and top-p 0.9 (sorting path)"
-      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --compare-unfused \
+      log "sampling alone: argmax, temperature race, top-k/top-p search and sort, side by side"
+      python profiles/bench_sampling.py --json "$OUT/sampling.json"
+      log "bench llama-3.2-1b ctx 512: temperature 0.8, then top-p 0.9 and top-k 50 + top-p 0.9 (threshold search)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 \
         --json "$OUT/bench_llama1b_temperature.json"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-p 0.9 \
         --json "$OUT/bench_llama1b_top_p.json"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-k 50 --top-p 0.9 \
+        --json "$OUT/bench_llama1b_top_k_top_p.json"
+      ;;
+    tests-sampling)
+      log "gpu tests of the samplers (threshold search against the sorting sampler, capture)"
+      python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k_top_p.py tests/test_fused_kernels.py -k "sampl or argmax" \
+        2>&1 | tee "$OUT/gpu_tests_sampling.log" | tail -15
       ;;
     dependent)
       log "decode steps with plain and dependent kernel launches, side by side"

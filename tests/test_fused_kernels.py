@@ -344,27 +344,6 @@ def test_temperature_sampling_follows_softmax():
     assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom
 
 
-def test_fused_sampling_routes_each_row_by_its_own_parameters(monkeypatch):
-    """In a batch with a top-p row, only that row takes the sorting path (stubbed here to answer -5);
-    the temperature-only row still gets the fused race's token and the greedy row its argmax, exactly
-    as in batches without the top-p row: a row's token never depends on what shares its batch."""
-    from graphrt.kernels import sampling as fused
-    from graphrt.sampler import SamplingTensors
-    from graphrt.sampling_params import SamplingParams
-
-    logits = _randn(3, 700, dtype=torch.float32, seed=9, scale=2.0)
-    hot, top_p = SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.5)
-    greedy = SamplingParams(temperature=0.0)
-
-    def rows(params):
-        return SamplingTensors.from_params(params, [77] * len(params), [5] * len(params), DEVICE)
-
-    alone = fused.sample_fused(logits[:1].contiguous(), rows([hot]))[0].item()
-    monkeypatch.setattr(fused, "sample", lambda lg, t: torch.full((lg.shape[0],), -5, device=lg.device))
-    mixed = fused.sample_fused(logits, rows([hot, top_p, greedy])).tolist()
-    assert mixed == [alone, -5, torch.argmax(logits[2]).item()]
-
-
 def test_fused_kernels_on_cpu_need_the_interpreter(monkeypatch):
     from graphrt import LLM
     from graphrt.errors import ConfigError

@@ -72,11 +72,11 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return two_pass_argmax(logits, out, chunk_pass)
 
 
-def two_pass_argmax(logits: torch.Tensor, out: torch.Tensor | None, chunk_pass) -> torch.Tensor:
+def two_pass_argmax(logits: torch.Tensor, out: torch.Tensor | None, chunk_pass, max_chunk: int = _CHUNK) -> torch.Tensor:
     """Check ``logits`` ([B, V], contiguous columns) and ``out`` ([B] int64, allocated when None), run
     ``chunk_pass(grid, chunk_max, chunk_index, chunk, num_chunks)`` -- pass 1, a kernel that fills the
     [B, C] scratch pair through ``store_chunk_best`` -- then pass 2, which writes each row's winner to
-    ``out``. Returns ``out``."""
+    ``out``. Returns ``out``. ``max_chunk``: the most columns a chunk holds (a power of two)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [B, V] with contiguous columns, got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -88,7 +88,7 @@ def two_pass_argmax(logits: torch.Tensor, out: torch.Tensor | None, chunk_pass) 
         raise ValueError(f"out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
     if batch == 0:
         return out
-    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    chunk = min(max_chunk, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_index = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)

@@ -17,26 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sampler import SamplingTensors, sample
+from ..sampler import SamplingTensors
 from .argmax import argmax_rows, store_chunk_best, two_pass_argmax
-
-# The constants of graphrt.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
-# the only kind a compiled Triton kernel may read.
-_MUL1 = tl.constexpr(0x7FEB352D)
-_MUL2 = tl.constexpr(0x846CA68B)
-_KEY1_SALT = tl.constexpr(0x6A09E667)
-_KEY2_SALT = tl.constexpr(0xBB67AE85)
-
-
-@triton.jit
-def _hash32(x):
-    """lowbias32 on uint32 values (multiplication wraps mod 2**32), as ``graphrt.sampler.hash32``."""
-    x = x ^ (x >> 16)
-    x = x * tl.full((), _MUL1, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full((), _MUL2, tl.uint32)
-    x = x ^ (x >> 16)
-    return x
+from .race_noise import log_race_noise
+from .top_k_top_p import sample_top_k_top_p
 
 
 @triton.jit
@@ -59,25 +43,8 @@ def _temperature_chunk_kernel(
     values = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
-        # Row keys from the 64-bit seed and step, chained as graphrt.sampler._row_keys does.
-        seed = tl.load(seeds_ptr + row)
-        step = tl.load(steps_ptr + row)
-        s_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-        s_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        t_lo = (step & 0xFFFFFFFF).to(tl.uint32)
-        t_hi = ((step >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key1 = _hash32(s_lo ^ tl.full((), _KEY1_SALT, tl.uint32))
-        key1 = _hash32(key1 ^ s_hi)
-        key1 = _hash32(key1 ^ t_hi)
-        key1 = _hash32(key1 ^ t_lo)
-        key2 = _hash32(s_hi ^ tl.full((), _KEY2_SALT, tl.uint32))
-        key2 = _hash32(key2 ^ t_hi)
-        key2 = _hash32(key2 ^ s_lo)
-        key2 = _hash32(key2 ^ t_lo)
-        bits = _hash32(_hash32(cols.to(tl.uint32) ^ key1) ^ key2)
-        uniform = ((bits >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # odd multiples of 2**-24
-        values = values / temperature - tl.log(-tl.log(uniform))
-        values = tl.where(in_vocab, values, float("-inf"))
+        noise = log_race_noise(cols, tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+        values = tl.where(in_vocab, values / temperature + noise, float("-inf"))
     store_chunk_best(values, row, chunk, chunk_max_ptr, chunk_index_ptr, num_chunks, CHUNK)
 
 
@@ -86,7 +53,7 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
     from softmax(logits / temperature) with the row's (seed, step) noise.
 
     logits: [B, V] float (columns contiguous, finite); sampling: B rows on the same device (its top-k
-    and top-p are ignored: use ``graphrt.sampler.sample`` for rows that set them); out: [B] int64
+    and top-p are ignored: ``sample_fused`` sends batches with such rows to ``top_k_top_p``); out: [B] int64
     (allocated when not given). Allocates a [B, ceil(V / 4096)] scratch pair; capturable.
     """
     if logits.dim() == 2 and sampling.batch_size != logits.shape[0]:  # other shapes: two_pass_argmax says
@@ -103,14 +70,13 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
 
 def sample_fused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
     """``graphrt.sampler.sample``'s contract on the fused kernels: greedy rows take the argmax,
-    temperature-only rows the fused race above, rows with top-k / top-p the sampler's sorting path.
-    Which path a row takes depends on its own parameters only, so its token never depends on what else
-    shares the batch. logits: [B, V]; returns ``out``: [B] int64. Capturable (the paths run are chosen
-    by ``sampling``'s host flags, the per-row choice on the device)."""
+    temperature-only rows the fused race above; when any row sets top-k / top-p, the whole batch takes
+    ``graphrt.kernels.top_k_top_p``, which races temperature-only rows exactly as above and filters the
+    others without sorting. A row's token depends on its own parameters only, never on what else shares
+    the batch. logits: [B, V]; returns ``out``: [B] int64. Capturable (the kernels run are chosen by
+    ``sampling``'s host flags, the per-row choice on the device)."""
     if sampling.all_greedy:
         return argmax_rows(logits, out=out)
-    out = sample_temperature(logits, sampling, out=out)
     if sampling.needs_top_k_top_p:
-        filtered = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
-        out.copy_(torch.where(filtered, sample(logits, sampling), out))
-    return out
+        return sample_top_k_top_p(logits, sampling, out=out)
+    return sample_temperature(logits, sampling, out=out)

@@ -1,0 +1,170 @@
+"""The sort-free top-k / top-p sampler (graphrt.kernels.top_k_top_p) against the sorting sampler
+(graphrt.sampler.sample), which defines the convention: same noise, so the same token for every row,
+except where float32 sums round a near-tie differently (the race's, or the top-p boundary's).
+
+Small vocabularies with small chunks run on the CPU under Triton's interpreter (several chunks a row,
+so the cross-chunk sums and tie ranks are exercised); the gpu-marked grid uses the presets' vocabularies.
+Outputs are poisoned before the kernels write them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from graphrt.kernels import sampling as fused_sampling  # noqa: E402
+from graphrt.kernels import top_k_top_p  # noqa: E402
+from graphrt.sampler import SamplingTensors, sample  # noqa: E402
+from graphrt.sampling_params import SamplingParams  # noqa: E402
+from triton_cpu import interpreted  # noqa: E402
+
+top_k_top_p = interpreted(top_k_top_p, "_search_kernel")
+fused_sampling = interpreted(fused_sampling, "_temperature_chunk_kernel")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+#: Every kind of row: greedy, temperature only, top-k alone (small and at the vocabulary), top-p alone
+#: (small and near 1), both, and filters on a greedy row (ignored).
+KINDS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0.9, top_k=7),
+    SamplingParams(temperature=1.1, top_p=0.6),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.5),
+    SamplingParams(temperature=1.0, top_p=0.95),
+    SamplingParams(temperature=1.3, top_k=1),
+    SamplingParams(temperature=0.5, top_p=0.01),
+    SamplingParams(temperature=0.0, top_k=3, top_p=0.2),
+    SamplingParams(temperature=2.0, top_k=100_000),
+    SamplingParams(temperature=0.6, top_k=2, top_p=0.99),
+]
+
+
+def _rows(params, seed=0, step=3):
+    gen = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 2**63 - 1, (len(params),), generator=gen).tolist()
+    return SamplingTensors.from_params(params, seeds, [step + i for i in range(len(params))], DEVICE)
+
+
+def _poisoned(batch):
+    return torch.full((batch,), -7, dtype=torch.int64, device=DEVICE)
+
+
+def check_against_sorting_sampler(logits, params, seed=0, max_chunk=top_k_top_p.MAX_CHUNK, allowed_mismatches=0):
+    rows = _rows(params, seed)
+    out = _poisoned(len(params))
+    got = top_k_top_p.sample_top_k_top_p(logits, rows, out=out, max_chunk=max_chunk)
+    assert got.data_ptr() == out.data_ptr()
+    want = sample(logits, rows)
+    greedy = rows.temperature == 0
+    assert torch.equal(got[greedy], want[greedy])
+    mismatched = (got != want).nonzero().flatten().tolist()
+    assert len(mismatched) <= allowed_mismatches, (mismatched, got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab,max_chunk", [(300, 64), (37, 16)])
+def test_every_kind_of_row_matches_the_sorting_sampler(vocab, max_chunk, dtype):
+    """bf16 logits repeat values often, so top-k and top-p boundaries fall inside runs of equal values
+    and the lower ids must be the ones kept."""
+    params = KINDS
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(len(params), vocab, generator=gen) * 2.5).to(dtype).to(DEVICE)
+    check_against_sorting_sampler(logits, params, seed=vocab, max_chunk=max_chunk)
+
+
+def test_boundaries_inside_runs_of_equal_values_keep_the_lowest_ids():
+    """Constant rows: every token weighs 1, so the masses are exact integers. top-k 3 keeps ids 0-2;
+    top-p 0.5 of 10 tokens keeps ranks whose preceding mass (0, 1, ... 4) is below 5: ids 0-4; with
+    top-k 6 as well, 0.5 of 6 keeps ids 0-2. Over many steps every draw stays inside and equals the
+    sorting sampler's."""
+    steps = 24
+    cases = [(SamplingParams(temperature=1.0, top_k=3), 3), (SamplingParams(temperature=1.0, top_p=0.5), 5),
+             (SamplingParams(temperature=1.0, top_k=6, top_p=0.5), 3)]
+    for params, kept in cases:
+        rows = SamplingTensors.from_params([params] * steps, [11] * steps, list(range(steps)), DEVICE)
+        logits = torch.full((steps, 10), 0.25, device=DEVICE)
+        got = top_k_top_p.sample_top_k_top_p(logits, rows, max_chunk=4)
+        assert got.max().item() < kept, (params, got.tolist())
+        assert got.tolist() == sample(logits, rows).tolist()
+        assert len(set(got.tolist())) == kept  # every kept token drawn at least once in 24 steps
+
+
+def test_masked_tokens_and_top_k_beyond_the_finite_ones():
+    """-inf logits (masked tokens) weigh 0: never drawn, even when top-k keeps more tokens than are finite."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, generator=gen) * 2
+    logits[:, ::3] = float("-inf")
+    logits[2, 5:] = float("-inf")  # 4 finite tokens, top-k 10
+    params = [SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=0.9, top_p=0.7),
+              SamplingParams(temperature=1.2, top_k=10), SamplingParams(temperature=0.0)]
+    logits = logits.to(DEVICE)
+    check_against_sorting_sampler(logits, params, seed=2, max_chunk=16)
+    got = top_k_top_p.sample_top_k_top_p(logits, _rows(params, seed=2), max_chunk=16)
+    assert torch.isfinite(logits[torch.arange(4, device=DEVICE), got]).all()
+
+
+def test_rows_without_filters_race_exactly_as_the_temperature_sampler():
+    """In a batch that takes this sampler (one top-p row), temperature-only and greedy rows get the
+    tokens the two-pass temperature sampler gives them in a batch without filters: a row's token never
+    depends on what shares its batch."""
+    gen = torch.Generator().manual_seed(8)
+    logits = (torch.randn(5, 700, generator=gen) * 3).to(DEVICE)
+    plain = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0), SamplingParams(temperature=1.7),
+             SamplingParams(temperature=0.4)]
+    alone = fused_sampling.sample_temperature(logits[:4].contiguous(), _rows(plain, seed=4))
+    mixed = fused_sampling.sample_fused(logits, _rows(plain + [SamplingParams(temperature=0.9, top_p=0.5)], seed=4))
+    assert mixed[:4].tolist() == alone.tolist()
+    assert mixed[4].item() == sample(logits, _rows(plain + [SamplingParams(temperature=0.9, top_p=0.5)], seed=4))[4]
+
+
+def test_mismatched_rows_are_rejected():
+    logits = torch.randn(3, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="rows"):
+        top_k_top_p.sample_top_k_top_p(logits, _rows([SamplingParams(temperature=1.0, top_k=2)] * 2))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", [1, 11, 64, 256])
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936])
+def test_sorting_sampler_agreement_grid_gpu(batch, vocab, dtype):
+    """Presets' vocabularies, every kind of row: at most one row in a hundred may differ (near-ties)."""
+    params = [KINDS[i % len(KINDS)] for i in range(batch)]
+    gen = torch.Generator().manual_seed(batch + vocab)
+    logits = (torch.randn(batch, vocab, generator=gen) * 4).to(dtype).to(DEVICE)
+    check_against_sorting_sampler(logits, params, seed=batch, allowed_mismatches=batch // 100)
+
+
+@gpu
+@pytest.mark.gpu
+def test_captured_sampler_replays_new_rows_gpu():
+    """Captured once in a CUDA graph, replayed with other parameters and logits written in place: the
+    tokens are the sorting sampler's for the new rows."""
+    batch, vocab = 16, 128256
+    logits = torch.randn(batch, vocab, device=DEVICE)
+    static = SamplingTensors.allocate(batch, DEVICE)
+    _rows([KINDS[0]] * batch).copy_into(static)
+    static.all_greedy, static.needs_top_k_top_p = False, True
+    out = _poisoned(batch)
+    top_k_top_p.sample_top_k_top_p(logits, static, out=out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        top_k_top_p.sample_top_k_top_p(logits, static, out=out)
+    for seed in range(3):
+        params = [KINDS[(i + seed) % len(KINDS)] for i in range(batch)]
+        rows = _rows(params, seed=seed)
+        rows.copy_into(static)
+        logits.copy_(torch.randn(batch, vocab, device=DEVICE) * 3)
+        out.fill_(-7)
+        graph.replay()
+        assert out.tolist() == sample(logits, rows).tolist()
