@@ -126,10 +126,51 @@ def test_rows_without_filters_race_exactly_as_the_temperature_sampler():
     assert mixed[4].item() == sample(logits, _rows(plain + [SamplingParams(temperature=0.9, top_p=0.5)], seed=4))[4]
 
 
+def _sm90_cases() -> list[dict]:
+    """Every kernel of the sampler, as launched for 16-bit and float32 logits of a 128k vocabulary."""
+    module, cases = "graphrt.kernels.top_k_top_p", []
+    sizes = {"stride_row": "i32", "vocab_size": "i32", "num_chunks": "i32"}
+    chunk = dict(CHUNK=top_k_top_p.MAX_CHUNK, CHUNKS_BLOCK=32)
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        below, top, _ = top_k_top_p.key_range(torch_dtype)
+        keys = dict(KEY16=dtype == "bf16")
+        rows = {"logits_ptr": f"*{dtype}", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32"}
+        stats = {"chunk_max_ptr": "*fp32", "chunk_mass_ptr": "*fp32"}
+        search = {**rows, **stats, "state_in_ptr": "*fp64", "counts_in_ptr": "*i32", "masses_in_ptr": "*fp32",
+                  "state_out_ptr": "*fp64", "counts_out_ptr": "*i32", "masses_out_ptr": "*fp32",
+                  "mass_above_k_ptr": "*fp32", **sizes}
+        kernels = [("_softmax_stats_kernel", {"logits_ptr": f"*{dtype}", "temperature_ptr": "*fp32", **stats, **sizes},
+                    dict(CHUNK=top_k_top_p.MAX_CHUNK))]
+        kernels += [("_search_kernel", search, dict(TOP_P=top_p, START=start, BELOW=below, TOP=top, SUB=256, **keys,
+                                                    **chunk)) for top_p, start in ((False, 1), (False, 0), (True, 2),
+                                                                                   (True, 3), (True, 0))]
+        kernels.append(("_boundary_kernel", {**rows, "state_in_ptr": "*fp64", "masses_in_ptr": "*fp32",
+                                             "boundary_ptr": "*fp64", "ties_ptr": "*i32", **sizes},
+                        dict(BELOW=below, **keys, **chunk)))
+        kernels.append(("_filtered_race_kernel", {**rows, **stats, "seeds_ptr": "*i64", "steps_ptr": "*i64",
+                                                  "boundary_ptr": "*fp64", "ties_ptr": "*i32", "best_ptr": "*fp32",
+                                                  "best_index_ptr": "*i64", **sizes}, dict(**keys, **chunk)))
+        cases += [dict(name=f"{kernel} {dtype} {constexprs}", module=module, kernel=kernel, signature=signature,
+                       constexprs=constexprs, num_warps=8, num_stages=3) for kernel, signature, constexprs in kernels]
+    return cases
+
+
+def test_kernels_compile_for_sm90():
+    """The GPU compiler checks what the interpreter lets through (globals that are not constexpr,
+    branches whose values differ in type)."""
+    from sm90_compile import compile_for_sm90
+
+    cases = _sm90_cases()
+    for case, result in zip(cases, compile_for_sm90(cases)):
+        assert "error" not in result, (case["name"], result)
+
+
 def test_mismatched_rows_are_rejected():
     logits = torch.randn(3, 20, device=DEVICE)
     with pytest.raises(ValueError, match="rows"):
         top_k_top_p.sample_top_k_top_p(logits, _rows([SamplingParams(temperature=1.0, top_k=2)] * 2))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        top_k_top_p.sample_top_k_top_p(logits.double(), _rows([SamplingParams(temperature=1.0, top_k=2)] * 3))
 
 
 @gpu
