@@ -73,7 +73,10 @@ def _compile(case: dict) -> dict:
                                   options={"num_warps": case["num_warps"], "num_stages": case["num_stages"],
                                            "launch_pdl": case.get("launch_pdl", False)})
     except Exception as error:  # reported per case; the test names the case
-        return {"error": f"{type(error).__name__}: {error}"[-3000:]}
+        cause = error  # a helper's error arrives wrapped in its callers': the innermost one says what failed
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        return {"error": f"{type(error).__name__}: {error}"[-2000:] + f"\ncaused by {type(cause).__name__}: ..." + repr(cause)[-1500:]}
     ptx = compiled.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),

@@ -81,6 +81,18 @@ def test_every_kind_of_row_matches_the_sorting_sampler(vocab, max_chunk, dtype):
     check_against_sorting_sampler(logits, params, seed=vocab, max_chunk=max_chunk)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_boundaries_far_below_the_max(dtype):
+    """Logits spread over hundreds of units: top-k boundaries (k = 150-200 of 257) lie far below the
+    first pass's thresholds, which reach ~20 below the row's max, so the passes after it narrow nearly
+    the whole key range; the top-p rows' boundaries sit at the max."""
+    gen = torch.Generator().manual_seed(12)
+    params = [SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=3.0, top_k=200),
+              SamplingParams(temperature=2.0, top_k=150, top_p=0.99), SamplingParams(temperature=0.5, top_p=0.9)]
+    logits = (torch.randn(len(params), 257, generator=gen) * 60).to(dtype).to(DEVICE)
+    check_against_sorting_sampler(logits, params, seed=12, max_chunk=32)
+
+
 def test_boundaries_inside_runs_of_equal_values_keep_the_lowest_ids():
     """Constant rows: every token weighs 1, so the masses are exact integers. top-k 3 keeps ids 0-2;
     top-p 0.5 of 10 tokens keeps ranks whose preceding mass (0, 1, ... 4) is below 5: ids 0-4; with
@@ -141,9 +153,8 @@ def _sm90_cases() -> list[dict]:
                   "mass_above_k_ptr": "*fp32", **sizes}
         kernels = [("_softmax_stats_kernel", {"logits_ptr": f"*{dtype}", "temperature_ptr": "*fp32", **stats, **sizes},
                     dict(CHUNK=top_k_top_p.MAX_CHUNK))]
-        kernels += [("_search_kernel", search, dict(TOP_P=top_p, START=start, BELOW=below, TOP=top, SUB=256, **keys,
-                                                    **chunk)) for top_p, start in ((False, 1), (False, 0), (True, 2),
-                                                                                   (True, 3), (True, 0))]
+        kernels += [("_search_kernel", search, dict(TOP_P=top_p, STEP=step, BELOW=below, TOP=top, SUB=256, **keys,
+                                                    **chunk)) for top_p in (False, True) for step in (0, 1, 2)]
         kernels.append(("_boundary_kernel", {**rows, "state_in_ptr": "*fp64", "masses_in_ptr": "*fp32",
                                              "boundary_ptr": "*fp64", "ties_ptr": "*i32", **sizes},
                         dict(BELOW=below, **keys, **chunk)))

@@ -51,6 +51,8 @@ MAX_CHUNK = 4096
 _SUB = 256
 
 _T = tl.constexpr(THRESHOLDS)
+#: log2 of the first value pass's largest gap below the row's max, over 0.25 (~20 / 0.25).
+_LARGEST_GAP_LOG2 = tl.constexpr((THRESHOLDS - 1) * 0.45)
 #: A row's search state, float64 (keys, counts and float32 masses are exact in it): the interval
 #: (lo, hi], the count or mass above hi, the top-k boundary key and how many tokens equal to it
 #: survive top-k, and the search's target.
@@ -60,10 +62,11 @@ _FIELDS = tl.constexpr(STATE_FIELDS)
 
 
 def key_range(dtype: torch.dtype) -> tuple[int, int, int]:
-    """(a key below every value's, the largest key, search passes) for logits of ``dtype``."""
+    """(a key below every value's, the largest key, passes of each search) for logits of ``dtype``: the
+    first pass in value space, then enough sixteenfold splits for any interval left."""
     if dtype.itemsize == 2:
-        return -32769, 32767, 4  # int16 keys (+1 below): 65,536 = 16 ** 4
-    return -2139095042, 2139095040, 8  # float32 keys from -inf - 1 to +inf: under 2 ** 32 = 16 ** 8
+        return -32769, 32767, 1 + 4  # int16 keys (+1 below): 65,536 = 16 ** 4
+    return -2139095042, 2139095040, 1 + 8  # float32 keys from -inf - 1 to +inf: under 2 ** 32 = 16 ** 8
 
 
 @triton.jit
@@ -126,20 +129,37 @@ def _row_sum(partial_ptr, row, num_chunks, CHUNKS_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _thresholds(lo, hi):
+def _key_thresholds(lo, hi):
     """[THRESHOLDS] int64 keys splitting (lo, hi] into sixteen parts; the first is lo itself."""
     j = tl.arange(0, _T).to(tl.int64)
     return lo + (j * (hi - lo) + (_T - 1)) // _T
 
 
 @triton.jit
-def _advance(state_ptr, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.constexpr):
-    """The interval after a pass evaluated the thresholds of ``state_ptr``'s: the part where the
-    statistic above a key (``partial_ptr``, [B, C, THRESHOLDS] counts or masses) first drops below
-    ``target``. Returns (lo, hi, statistic above hi); hi stays when no threshold is below the target."""
-    lo = tl.load(state_ptr + _LO).to(tl.int64)
-    hi = tl.load(state_ptr + _HI).to(tl.int64)
-    keys = _thresholds(lo, hi)
+def _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16: tl.constexpr):
+    """[THRESHOLDS] int64 keys for a search's first pass: lo, then the keys of ``x_max - d`` for d from
+    ~20 down to 0.25 (a geometric series), clamped into (lo, hi]. A boundary within ~20 of the row's max
+    (where top-k's few tokens and most of a row's mass lie) then ends the pass in an interval of a few
+    hundred keys at most, which the following passes split sixteenfold each."""
+    j = tl.arange(0, _T)
+    value = x_max - 0.25 * tl.exp2(j.to(tl.float32) * -0.45 + _LARGEST_GAP_LOG2)  # gaps 0.25 * 2 ** (0.45 * (15 - j))
+    if KEY16:  # the 16-bit logit nearest value * temperature (any monotone rounding will do)
+        bits = (value * tl.where(temperature > 0, temperature, 1.0)).to(dtype).to(tl.int16, bitcast=True)
+        bits = bits.to(tl.int32)
+        key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+    else:
+        bits = value.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(j == 0, lo, tl.minimum(tl.maximum(key.to(tl.int64), lo + 1), hi))
+
+
+@triton.jit
+def _advance(keys, hi, stat_hi, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.constexpr):
+    """The interval after a pass evaluated the thresholds ``keys`` ([THRESHOLDS] int64, ascending, the
+    first the interval's lo) of (lo, hi]: the part where the statistic above a key (``partial_ptr``,
+    [B, C, THRESHOLDS] counts or masses, summed over the row's chunks in order) first drops below
+    ``target``. Returns (lo, hi, statistic above hi); hi and ``stat_hi`` stay when no threshold is below
+    the target."""
     j = tl.arange(0, _T)
     chunks = tl.arange(0, CHUNKS_BLOCK)
     offsets = (row * num_chunks + chunks[:, None]) * _T + j[None, :]
@@ -149,9 +169,8 @@ def _advance(state_ptr, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.c
     found = first < _T
     new_lo = tl.sum(tl.where(j == first - 1, keys, 0), axis=0)
     new_hi = tl.where(found, tl.sum(tl.where(j == first, keys, 0), axis=0), hi)
-    stat_hi = tl.where(found, tl.sum(tl.where(j == first, above, 0.0), axis=0),
-                       tl.load(state_ptr + _STAT_HI).to(tl.float32))
-    return new_lo, new_hi, stat_hi
+    new_stat_hi = tl.where(found, tl.sum(tl.where(j == first, above, 0.0), axis=0), stat_hi)
+    return new_lo, new_hi, new_stat_hi
 
 
 @triton.jit
@@ -190,14 +209,14 @@ def _search_kernel(
     state_out_ptr,  # [B, STATE_FIELDS] float64: the interval this pass evaluates
     counts_out_ptr,  # [B, C, THRESHOLDS] int32 (top-k)
     masses_out_ptr,  # [B, C, THRESHOLDS] float32 (top-p)
-    mass_above_k_ptr,  # [B, C] float32: per chunk, the mass above the top-k boundary (START 2 writes it)
+    mass_above_k_ptr,  # [B, C] float32: per chunk, the mass above the top-k boundary (top-p step 0 writes it)
     stride_row,
     vocab_size,
     num_chunks,
     TOP_P: tl.constexpr,  # False: the top-k search (by count); True: the top-p search (by mass)
-    START: tl.constexpr,  # 0: narrow the pass before's interval; 1: the top-k search's first pass;
-    #                       2: the top-p search's first pass (after the top-k search's last step);
-    #                       3: its second (the target, p times the mass top-k keeps, known from then)
+    STEP: tl.constexpr,  # 0: the search's first pass (thresholds in value space; top-p: after top-k's last
+    #                      step); 1: its second (top-p: the target, p times the mass top-k keeps, known
+    #                      from then); 2: later passes
     KEY16: tl.constexpr,  # 16-bit logits, keyed by their own bits
     BELOW: tl.constexpr,  # a key below every value's
     TOP: tl.constexpr,  # the largest key
@@ -208,52 +227,59 @@ def _search_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, k, p, k_on, p_on = _row_filters(temperature_ptr, top_k_ptr, top_p_ptr, row, vocab_size)
+    x_max, total = _row_max_and_mass(chunk_max_ptr, chunk_mass_ptr, row, num_chunks, CHUNKS_BLOCK)
+    dtype = logits_ptr.dtype.element_ty
     if TOP_P:
         searching = p_on
-        x_max, total = _row_max_and_mass(chunk_max_ptr, chunk_mass_ptr, row, num_chunks, CHUNKS_BLOCK)
     else:
         searching = k_on
     state_in = state_in_ptr + row * _FIELDS
+    lo = tl.load(state_in + _LO).to(tl.int64)
+    hi = tl.load(state_in + _HI).to(tl.int64)
+    stat_hi = tl.load(state_in + _STAT_HI).to(tl.float32)
     key_k = tl.load(state_in + _KEY_K).to(tl.int64)
     kept_k = tl.load(state_in + _KEPT_K).to(tl.float32)
-    if START == 1:
-        lo = tl.full((), BELOW, tl.int64)
-        hi = tl.full((), TOP, tl.int64)
-        stat_hi = tl.zeros((), tl.float32)  # nothing lies above the largest key
-        key_k = tl.full((), BELOW, tl.int64)
-        kept_k = tl.zeros((), tl.float32)
-        target = k.to(tl.float32)
-    elif START == 2:
-        # The top-k boundary is the k-th largest value; of the tokens equal to it, the first k - (count
-        # above) survive. Top-p then searches (key below the boundary, largest key]: above lo lies
-        # everything top-k keeps, above the largest key nothing.
-        if k_on:
-            _, key_k, count_above_k = _advance(state_in, counts_in_ptr, row, num_chunks, k.to(tl.float32),
-                                               CHUNKS_BLOCK)
-            kept_k = k.to(tl.float32) - count_above_k
+    target = tl.load(state_in + _TARGET).to(tl.float32)
+    if STEP == 0:
+        if TOP_P:
+            # The top-k boundary is the k-th largest value; of the tokens equal to it, the first k - (count
+            # above) survive. Top-p then searches (key below the boundary, largest key]: above lo lies
+            # everything top-k keeps, above the largest key nothing.
+            if k_on & (hi - lo > 1):
+                _lo_k, key_k, stat_hi = _advance(_key_thresholds(lo, hi), hi, stat_hi, counts_in_ptr, row, num_chunks,
+                                             k.to(tl.float32), CHUNKS_BLOCK)
+            else:
+                key_k = hi
+            kept_k = tl.where(k_on, k.to(tl.float32) - stat_hi, 0.0)
+            key_k = tl.where(k_on, key_k, BELOW)
+            lo = tl.where(k_on, key_k - 1, BELOW)
+            target = p * total  # rows with top-k: replaced in the next pass, once their kept mass is summed
         else:
+            lo = tl.full((), BELOW, tl.int64)
             key_k = tl.full((), BELOW, tl.int64)
             kept_k = tl.zeros((), tl.float32)
-        lo = tl.where(k_on, key_k - 1, BELOW)
+            target = k.to(tl.float32)
         hi = tl.full((), TOP, tl.int64)
-        stat_hi = tl.zeros((), tl.float32)
-        target = p * total  # rows with top-k: replaced in the next pass, once their kept mass is summed
+        stat_hi = tl.zeros((), tl.float32)  # nothing lies above the largest key
+        keys = _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16)
     else:
-        if START == 3:
-            mass_k = _row_sum(mass_above_k_ptr, row, num_chunks, CHUNKS_BLOCK) + kept_k * _key_weight(
-                tl.where(k_on, key_k, 0), x_max, temperature, logits_ptr.dtype.element_ty, KEY16)
-            target = p * tl.where(k_on, mass_k, total)
-        else:
-            target = tl.load(state_in + _TARGET).to(tl.float32)
-        if searching:  # rows that skip this search leave its state as it was
+        if STEP == 1:
+            evaluated = _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16)
             if TOP_P:
-                lo, hi, stat_hi = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
-            else:
-                lo, hi, stat_hi = _advance(state_in, counts_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
+                mass_k = _row_sum(mass_above_k_ptr, row, num_chunks, CHUNKS_BLOCK) + kept_k * _key_weight(
+                    tl.where(k_on, key_k, 0), x_max, temperature, dtype, KEY16)
+                target = p * tl.where(k_on, mass_k, total)
         else:
-            lo = tl.load(state_in + _LO).to(tl.int64)
-            hi = tl.load(state_in + _HI).to(tl.int64)
-            stat_hi = tl.load(state_in + _STAT_HI).to(tl.float32)
+            evaluated = _key_thresholds(lo, hi)
+        # Rows that skip this search, or whose interval is down to one key, keep their state.
+        if searching & (hi - lo > 1):
+            if TOP_P:
+                lo, hi, stat_hi = _advance(evaluated, hi, stat_hi, masses_in_ptr, row, num_chunks, target,
+                                           CHUNKS_BLOCK)
+            else:
+                lo, hi, stat_hi = _advance(evaluated, hi, stat_hi, counts_in_ptr, row, num_chunks, target,
+                                           CHUNKS_BLOCK)
+        keys = _key_thresholds(lo, hi)
     if chunk == 0:
         state_out = state_out_ptr + row * _FIELDS
         tl.store(state_out + _LO, lo.to(tl.float64))
@@ -262,11 +288,11 @@ def _search_kernel(
         tl.store(state_out + _KEY_K, key_k.to(tl.float64))
         tl.store(state_out + _KEPT_K, kept_k.to(tl.float64))
         tl.store(state_out + _TARGET, target.to(tl.float64))
-    if searching:
+    if searching & (hi - lo > 1):
         # [THRESHOLDS, SUB] tiles, the thresholds along the first axis: each thread keeps all sixteen
         # comparisons of its own entries in registers (entries along the first axis would be spread
         # over lanes and rebroadcast through shared memory every slice).
-        keys = _thresholds(lo, hi).to(tl.int32)[:, None]
+        thresholds = keys.to(tl.int32)[:, None]
         above_count = tl.zeros([_T, SUB], dtype=tl.int32)
         above_mass = tl.zeros([_T, SUB], dtype=tl.float32)
         mass_above_k = tl.zeros([SUB], dtype=tl.float32)
@@ -274,18 +300,18 @@ def _search_kernel(
             cols = chunk * CHUNK + start + tl.arange(0, SUB)
             in_vocab = cols < vocab_size
             x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16)
-            above = key[None, :] > keys
+            above = key[None, :] > thresholds
             if TOP_P:
                 weight = tl.exp(x - x_max)
                 above_mass += tl.where(above, weight[None, :], 0.0)
-                if START == 2:
+                if STEP == 0:
                     mass_above_k += tl.where(key > key_k, weight, 0.0)
             else:
                 above_count += above.to(tl.int32)
         offsets = (row * num_chunks + chunk) * _T + tl.arange(0, _T)
         if TOP_P:
             tl.store(masses_out_ptr + offsets, tl.sum(above_mass, axis=1))
-            if START == 2:
+            if STEP == 0:
                 tl.store(mass_above_k_ptr + row * num_chunks + chunk, tl.sum(mass_above_k, axis=0))
         else:
             tl.store(counts_out_ptr + offsets, tl.sum(above_count, axis=1))
@@ -314,7 +340,12 @@ def _boundary_kernel(
     temperature, _, _, k_on, p_on = _row_filters(temperature_ptr, top_k_ptr, top_p_ptr, row, vocab_size)
     state_in = state_in_ptr + row * _FIELDS
     target = tl.load(state_in + _TARGET).to(tl.float32)
-    _, key_p, mass_above_p = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
+    key_p = tl.load(state_in + _HI).to(tl.int64)
+    mass_above_p = tl.load(state_in + _STAT_HI).to(tl.float32)
+    lo = tl.load(state_in + _LO).to(tl.int64)
+    if p_on & (key_p - lo > 1):  # the last pass's interval, narrowed to its one key
+        _lo_p, key_p, mass_above_p = _advance(_key_thresholds(lo, key_p), key_p, mass_above_p, masses_in_ptr, row,
+                                          num_chunks, target, CHUNKS_BLOCK)
     key_k = tl.load(state_in + _KEY_K).to(tl.int64)
     # Rows without filters keep every token: no key is below BELOW, none equal to it.
     boundary = tl.where(p_on, key_p, tl.where(k_on, key_k, BELOW))
@@ -425,7 +456,7 @@ def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: tor
             _search_kernel[grid](
                 logits, *filters, chunk_max, chunk_mass, states[before], counts[before % 2], masses[before % 2],
                 states[n], counts[n % 2], masses[n % 2], mass_above_k, *shape, TOP_P=n >= passes,
-                START={0: 1, passes: 2, passes + 1: 3}.get(n, 0), KEY16=key16, BELOW=below, TOP=top, CHUNK=chunk,
+                STEP=min(n % passes, 2), KEY16=key16, BELOW=below, TOP=top, CHUNK=chunk,
                 SUB=min(_SUB, chunk), CHUNKS_BLOCK=chunks_block, num_warps=8,
             )
         last = 2 * passes - 1
