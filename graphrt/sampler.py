@@ -341,12 +341,17 @@ def _sample_unfiltered(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     return torch.argmax(race, dim=-1)
 
 
-def _sample_filtered(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Top-k, then top-p, then the exponential race, all in sorted order.
+def filtered_order(scaled: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row in sorted order with top-k, then top-p, applied (the convention in the module docstring).
 
-    Working on the sorted row turns both filters into position masks (no scatter back): the
-    noise is looked up by each position's token id, so the draw for a row with neither filter
-    equals ``_sample_unfiltered``'s.
+    Args:
+        scaled: ``[B, V]`` float32 logits / temperature.
+        t: the batch's parameters.
+
+    Returns:
+        ``(sorted_ids, weights, kept)``, each ``[B, V]``: token ids in sorted order (value descending,
+        ties by ascending id), their weights ``exp(x - row max)`` with dropped positions zeroed, and the
+        kept positions (bool; a kept token may still weigh 0 if its logit is -inf or underflows).
     """
     vocab = scaled.shape[1]
     # Stable, so equal logits keep ascending token-id order: deterministic top-k/top-p ties.
@@ -357,7 +362,8 @@ def _sample_filtered(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
     # top-k as a position mask; k = 0 (off) or k > V keeps all V positions.
     k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
-    weights = weights.masked_fill(positions >= k[:, None], 0.0)
+    kept = positions < k[:, None]
+    weights = weights.masked_fill(~kept, 0.0)
 
     # top-p on the top-k-filtered distribution. Mass ranked strictly before each position,
     # compared against p * (total kept mass) so no per-row normalisation is needed.
@@ -368,8 +374,18 @@ def _sample_filtered(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     # cumsum could otherwise push the tail's preceding mass to >= 1.0).
     drop &= positions > 0
     drop &= (t.top_p < 1.0)[:, None]
-    weights = weights.masked_fill(drop, 0.0)
+    kept &= ~drop
+    return sorted_ids, weights.masked_fill(drop, 0.0), kept
 
+
+def _sample_filtered(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Top-k, then top-p, then the exponential race, all in sorted order.
+
+    Working on the sorted row turns both filters into position masks (no scatter back): the
+    noise is looked up by each position's token id, so the draw for a row with neither filter
+    equals ``_sample_unfiltered``'s.
+    """
+    sorted_ids, weights, _ = filtered_order(scaled, t)
     # Dropped tokens weigh 0 and so can never win: position 0 weighs 1 and the noise is
     # bounded, so the winner always has a positive race value.
     race = weights / exponential_noise(t.seeds, t.steps, sorted_ids)

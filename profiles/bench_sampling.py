@@ -8,7 +8,8 @@
   before the search.
 
 bf16 logits of a 128k vocabulary (Llama 3) by default, random values scaled by 4 (a spread like a
-model's); medians of 50 replays. Prints a table and writes ``--json``.
+model's); medians of 50 replays. Prints a table and writes ``--json``; ``tokens_equal`` says whether the
+search drew the sort's tokens (information, not a check: float32 near-ties may differ).
 
     python profiles/bench_sampling.py --json profiles/results/sampling_h200.json
 """

@@ -60,6 +60,8 @@ class ClockSampler:
 
     def stop(self) -> None:
         self._process.terminate()
+        self._process.wait(timeout=10)
+        self._reader.join(timeout=10)
 
 
 def back_to_back_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:

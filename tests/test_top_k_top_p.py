@@ -17,10 +17,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from graphrt.kernels import sampling as fused_sampling  # noqa: E402
 from graphrt.kernels import top_k_top_p  # noqa: E402
-from graphrt.sampler import SamplingTensors, sample  # noqa: E402
+from graphrt.sampler import SamplingTensors, filtered_order, sample  # noqa: E402
 from graphrt.sampling_params import SamplingParams  # noqa: E402
 from triton_cpu import interpreted  # noqa: E402
 
@@ -45,6 +47,7 @@ KINDS = [
     SamplingParams(temperature=0.0, top_k=3, top_p=0.2),
     SamplingParams(temperature=2.0, top_k=100_000),
     SamplingParams(temperature=0.6, top_k=2, top_p=0.99),
+    SamplingParams(temperature=1.0, top_p=1e-40),  # p * mass flushes to 0 on the GPU: keeps the max only
 ]
 
 
@@ -93,6 +96,52 @@ def test_boundaries_far_below_the_max(dtype):
     check_against_sorting_sampler(logits, params, seed=12, max_chunk=32)
 
 
+@triton.jit
+def _lift_the_token_of_the_step(cols, seed, step):
+    """Race noise that lifts token ``step`` above every other: a row draws it iff the row keeps it."""
+    return tl.where(cols == step.to(tl.int32), 1.0e30, 0.0)
+
+
+#: Rows for the kept-set check (vocabulary ``PROBE_VOCAB``): top-k at 1, inside the row and at V - 1 / V,
+#: top-p small, large and below float32's range, both filters, a boundary shared by both.
+PROBE_VOCAB = 16
+PROBE_ROWS = [
+    SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_k=PROBE_VOCAB - 1), SamplingParams(temperature=1.0, top_k=PROBE_VOCAB),
+    SamplingParams(temperature=0.8, top_p=0.3), SamplingParams(temperature=1.5, top_p=0.97),
+    SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(temperature=0.9, top_k=10, top_p=0.6),
+    SamplingParams(temperature=2.0, top_k=3, top_p=0.99),
+]
+
+
+@pytest.mark.skipif(CUDA, reason="swaps the race noise, which only the interpreter looks up when it runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kept_sets_are_the_sorting_samplers(dtype, monkeypatch):
+    """Every token of every row, one at a time, lifted above the others by the race noise: the row
+    draws it exactly when its kept set holds it, so the kept sets themselves are compared with
+    ``graphrt.sampler.filtered_order``'s (finite tokens; a kept -inf token can never be drawn). Logits
+    on a coarse grid, so values repeat and boundaries fall inside runs of equal values; one row masked."""
+    monkeypatch.setattr(top_k_top_p, "log_race_noise", _lift_the_token_of_the_step)
+    gen = torch.Generator().manual_seed(21)
+    rows = len(PROBE_ROWS)
+    logits = (torch.randn(rows, PROBE_VOCAB, generator=gen) * 4).round() / 2
+    logits[1, ::4] = float("-inf")
+    logits = logits.to(dtype)
+    batch = logits.repeat_interleave(PROBE_VOCAB, dim=0)  # row r's copies probe tokens 0 .. V-1
+    params = [params for params in PROBE_ROWS for _ in range(PROBE_VOCAB)]
+    probes = SamplingTensors.from_params(params, [0] * len(params), list(range(PROBE_VOCAB)) * rows, DEVICE)
+    drawn = top_k_top_p.sample_top_k_top_p(batch, probes, max_chunk=8).reshape(rows, PROBE_VOCAB)
+    kept_by_search = drawn == torch.arange(PROBE_VOCAB)
+
+    reference = SamplingTensors.from_params(PROBE_ROWS, [0] * rows, [0] * rows, DEVICE)
+    scaled = logits.float() / reference.temperature[:, None]
+    sorted_ids, _, kept_sorted = filtered_order(scaled, reference)
+    kept = torch.zeros(rows, PROBE_VOCAB, dtype=torch.bool).scatter(1, sorted_ids, kept_sorted)
+    kept &= torch.isfinite(logits)
+    for row, params in enumerate(PROBE_ROWS):
+        assert kept_by_search[row].tolist() == kept[row].tolist(), (params, logits[row].tolist())
+
+
 def test_boundaries_inside_runs_of_equal_values_keep_the_lowest_ids():
     """Constant rows: every token weighs 1, so the masses are exact integers. top-k 3 keeps ids 0-2;
     top-p 0.5 of 10 tokens keeps ranks whose preceding mass (0, 1, ... 4) is below 5: ids 0-4; with
@@ -139,13 +188,13 @@ def test_rows_without_filters_race_exactly_as_the_temperature_sampler():
 
 
 def _sm90_cases() -> list[dict]:
-    """Every kernel of the sampler, as launched for 16-bit and float32 logits of a 128k vocabulary."""
+    """Every kernel of the sampler, as launched for bf16, fp16 and float32 logits of a 128k vocabulary."""
     module, cases = "graphrt.kernels.top_k_top_p", []
     sizes = {"stride_row": "i32", "vocab_size": "i32", "num_chunks": "i32"}
     chunk = dict(CHUNK=top_k_top_p.MAX_CHUNK, CHUNKS_BLOCK=32)
-    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         below, top, _ = top_k_top_p.key_range(torch_dtype)
-        keys = dict(KEY16=dtype == "bf16")
+        keys = dict(KEY16=dtype != "fp32")
         rows = {"logits_ptr": f"*{dtype}", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32"}
         stats = {"chunk_max_ptr": "*fp32", "chunk_mass_ptr": "*fp32"}
         search = {**rows, **stats, "state_in_ptr": "*fp64", "counts_in_ptr": "*i32", "masses_in_ptr": "*fp32",
@@ -186,7 +235,7 @@ def test_mismatched_rows_are_rejected():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("batch", [1, 11, 64, 256])
 @pytest.mark.parametrize("vocab", [49152, 128256, 151936])
 def test_sorting_sampler_agreement_grid_gpu(batch, vocab, dtype):

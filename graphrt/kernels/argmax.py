@@ -88,6 +88,8 @@ def two_pass_argmax(logits: torch.Tensor, out: torch.Tensor | None, chunk_pass, 
         raise ValueError(f"out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
     if batch == 0:
         return out
+    if max_chunk < 1 or max_chunk & (max_chunk - 1):
+        raise ValueError(f"max_chunk must be a power of two, got {max_chunk}")
     chunk = min(max_chunk, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)

@@ -1,4 +1,5 @@
-"""The exponential race's noise in Triton, bit-identical to ``graphrt.sampler.uniform_noise``.
+"""The exponential race's noise in Triton, bit-identical to ``graphrt.sampler.uniform_noise``, and the
+temperature scaling the race applies to the logits.
 
 ``graphrt.sampler.sample`` draws token ``argmax_i w_i / E_i`` with ``E_i = -log(U_i)`` and ``U_i`` a
 counter-based hash of (seed, step, token id). The fused samplers race in the log domain instead:
@@ -50,3 +51,11 @@ def log_race_noise(cols, seed, step):
     bits = _hash32(_hash32(cols.to(tl.uint32) ^ key1) ^ key2)
     uniform = ((bits >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # odd multiples of 2**-24
     return -tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def scale_logits(logits, temperature):
+    """float32 ``logits / temperature`` rounded as torch divides it (IEEE; Triton's ``/`` is approximate
+    on the GPU), so that the fused samplers scale exactly as ``graphrt.sampler`` does; greedy rows
+    (temperature 0) keep their logits."""
+    return tl.math.div_rn(logits, tl.where(temperature > 0, temperature, 1.0))

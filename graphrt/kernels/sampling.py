@@ -5,8 +5,9 @@
 kernels over [B, V] (a scaled copy, its max, exp, the 64-bit hash chain, log, divide, argmax). Here
 pass 1 computes, per chunk of a row, ``x_i / T - log(E_i)`` -- the logarithm of the same race, so the
 same draw -- and its maximum; pass 2 (shared with ``graphrt.kernels.argmax``) picks each row's best
-chunk. The noise is bit-identical to ``graphrt.sampler.uniform_noise`` (same hash, same keys); the
-float arithmetic differs (log domain, no max subtracted), so the token differs from ``sample``'s only
+chunk. The noise is bit-identical to ``graphrt.sampler.uniform_noise`` (same hash, same keys) and the
+logits are divided as torch divides them; the rest of the arithmetic differs (log domain, no max
+subtracted), so the token differs from ``sample``'s only
 when two race values tie to within float32 rounding. Greedy rows (temperature 0) take the plain argmax,
 ties to the lowest id, exactly as ``sample`` does.
 """
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from ..sampler import SamplingTensors
 from .argmax import argmax_rows, store_chunk_best, two_pass_argmax
-from .race_noise import log_race_noise
+from .race_noise import log_race_noise, scale_logits
 from .top_k_top_p import sample_top_k_top_p
 
 
@@ -44,7 +45,7 @@ def _temperature_chunk_kernel(
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
         noise = log_race_noise(cols, tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
-        values = tl.where(in_vocab, values / temperature + noise, float("-inf"))
+        values = tl.where(in_vocab, scale_logits(values, temperature) + noise, float("-inf"))
     store_chunk_best(values, row, chunk, chunk_max_ptr, chunk_index_ptr, num_chunks, CHUNK)
 
 

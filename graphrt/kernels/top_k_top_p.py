@@ -11,11 +11,26 @@ tokens equal to it. These kernels find that boundary by search instead of a sort
 2. Top-k, then top-p, each a few passes of ``_search_kernel``. Values map to integer keys with the same
    order (16-bit logits: their own bits, since dividing by a temperature keeps their order and never
    merges two of them; float32: the scaled value's bits), so a row's boundary lies in an interval of
-   keys ``(lo, hi]``. A pass evaluates ``THRESHOLDS`` keys spread over the interval: per chunk, how
-   many tokens lie above each (top-k) or their mass ``sum(exp(x - x_max))`` (top-p); the next pass
-   (every program of the row alike, from the same partials in the same order) keeps the sixteenth of
-   the interval where the count first drops below ``k`` or the mass below ``p`` times the mass top-k
-   keeps. ``16 ** 4`` keys cover 16-bit keys, ``16 ** 8`` float32 ones: 4 or 8 passes a search.
+   keys ``(lo, hi]``. A pass evaluates ``THRESHOLDS`` keys of the interval: per chunk, how many tokens
+   lie above each (top-k) or their mass ``sum(exp(x - x_max))`` (top-p); the next pass (every program
+   of the row alike, from the same partials summed in the same order) keeps the part of the interval
+   where the count first drops below ``k`` or the mass below ``p`` times the mass top-k keeps. The
+   first pass puts its keys at the row's max and below it (from ~23 to 0.25 under it), where top-k's
+   few tokens and nearly all of a row's mass lie; the passes after it split sixteenfold, 4 for 16-bit
+   keys (``16 ** 4``), 8 for float32 ones (``16 ** 8``), enough for any interval, and stop working
+   once a row's interval is one key. Pass by pass (P = 4 or 8):
+
+   ====================  ==================================================================
+   pass                  narrows (from the pass before's partials)     evaluates
+   ====================  ==================================================================
+   top-k 0               --                                             keys in value space
+   top-k 1 .. P          its interval                                   sixteenfold split
+   top-p 0               top-k's last interval: its boundary            keys in value space
+   top-p 1               (target known: p times top-k's kept mass)      sixteenfold split
+   top-p 2 .. P          its interval                                   sixteenfold split
+   ``_boundary_kernel``  top-p's last interval: its boundary            tokens equal to it
+   ====================  ==================================================================
+
 3. ``_boundary_kernel``: the top-p search's last step, and each chunk's count of tokens equal to the
    boundary.
 4. ``_filtered_race_kernel``: how many of the equal tokens survive (top-k: ``k`` minus those above;
@@ -29,8 +44,8 @@ chunk and then across chunks, where the sorted path takes a running sum, so a to
 mass lies within rounding of ``p`` times the kept mass may fall on the other side (as the race itself
 differs only at float32 near-ties). Rows without filters race the whole row exactly as
 ``sample_temperature``; greedy rows take the argmax. The same kernels run whatever the rows ask for
-(12 launches for 16-bit logits, 20 for float32), so the launch sequence depends on ``[B, V]`` and the
-dtype only: capturable in a CUDA graph.
+(14 launches for 16-bit logits, 22 for float32, after zeroing the scratch), so the launch sequence
+depends on ``[B, V]`` and the dtype only: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ import triton.language as tl
 
 from ..sampler import SamplingTensors
 from .argmax import store_chunk_best, two_pass_argmax
-from .race_noise import log_race_noise
+from .race_noise import log_race_noise, scale_logits
 
 #: Keys a search pass evaluates in a row's interval; each pass narrows it sixteenfold.
 THRESHOLDS = 16
@@ -51,13 +66,18 @@ MAX_CHUNK = 4096
 _SUB = 256
 
 _T = tl.constexpr(THRESHOLDS)
-#: log2 of the first value pass's largest gap below the row's max, over 0.25 (~20 / 0.25).
-_LARGEST_GAP_LOG2 = tl.constexpr((THRESHOLDS - 1) * 0.45)
+#: The smallest top-p target: p * mass may underflow float32 (p is any value in (0, 1], and the GPU
+#: flushes subnormals), and a target of 0 would keep nothing. The max weighs 1, so any target up to 1
+#: keeps just the first token of the max, as the sorting path keeps position 0 whatever p is.
+_MIN_TARGET = tl.constexpr(2.0**-100)
+#: log2 of the first pass's largest gap below the row's max over 0.25: 0.25 * 2 ** 6.5 ~ 23.
+_LARGEST_GAP_LOG2 = tl.constexpr((THRESHOLDS - 2) * 0.5)
 #: A row's search state, float64 (keys, counts and float32 masses are exact in it): the interval
 #: (lo, hi], the count or mass above hi, the top-k boundary key and how many tokens equal to it
-#: survive top-k, and the search's target.
-_LO, _HI, _STAT_HI, _KEY_K, _KEPT_K, _TARGET = (tl.constexpr(i) for i in range(6))
-STATE_FIELDS = 8
+#: survive top-k, the search's target, then the THRESHOLDS keys this pass evaluates (the next pass
+#: reads them back rather than computing them again).
+_LO, _HI, _STAT_HI, _KEY_K, _KEPT_K, _TARGET, _KEYS = (tl.constexpr(i) for i in range(7))
+STATE_FIELDS = 6 + THRESHOLDS
 _FIELDS = tl.constexpr(STATE_FIELDS)
 
 
@@ -75,7 +95,7 @@ def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl
     scales them (the raw logits for greedy rows; -inf outside the vocabulary) and an int32 key ordered
     as x, with -0.0 keyed as 0.0 since they compare equal (outside the vocabulary: the int32 minimum)."""
     raw = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf"))
-    x = raw.to(tl.float32) / tl.where(temperature > 0, temperature, 1.0)  # x / 1.0 is x
+    x = scale_logits(raw.to(tl.float32), temperature)
     if KEY16:
         bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
         key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
@@ -92,7 +112,7 @@ def _key_weight(key, x_max, temperature, dtype, KEY16: tl.constexpr):
     if KEY16:
         bits = key.to(tl.int32)
         raw = tl.where(bits < 0, bits ^ 0x7FFF, bits).to(tl.int16).to(dtype, bitcast=True)
-        x = raw.to(tl.float32) / tl.where(temperature > 0, temperature, 1.0)
+        x = scale_logits(raw.to(tl.float32), temperature)
     else:
         bits = key.to(tl.int32)
         x = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
@@ -123,7 +143,7 @@ def _row_max_and_mass(chunk_max_ptr, chunk_mass_ptr, row, num_chunks, CHUNKS_BLO
 
 @triton.jit
 def _row_sum(partial_ptr, row, num_chunks, CHUNKS_BLOCK: tl.constexpr):
-    """The sum over a row's chunks of a [B, C] partial, in chunk order."""
+    """The sum over a row's chunks of a [B, C] partial (a tree sum, in the same order every time)."""
     chunks = tl.arange(0, CHUNKS_BLOCK)
     return tl.sum(tl.load(partial_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0), axis=0)
 
@@ -138,12 +158,13 @@ def _key_thresholds(lo, hi):
 @triton.jit
 def _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16: tl.constexpr):
     """[THRESHOLDS] int64 keys for a search's first pass: lo, then the keys of ``x_max - d`` for d from
-    ~20 down to 0.25 (a geometric series), clamped into (lo, hi]. A boundary within ~20 of the row's max
-    (where top-k's few tokens and most of a row's mass lie) then ends the pass in an interval of a few
-    hundred keys at most, which the following passes split sixteenfold each."""
+    ~23 down to 0.25 (halving every two keys), then the max's own, clamped into (lo, hi]. Top-k's and
+    top-p's boundaries usually lie within a few units of the max; the sixteenfold passes after this one
+    narrow whatever interval it leaves (any monotone rounding of the values will do)."""
     j = tl.arange(0, _T)
-    value = x_max - 0.25 * tl.exp2(j.to(tl.float32) * -0.45 + _LARGEST_GAP_LOG2)  # gaps 0.25 * 2 ** (0.45 * (15 - j))
-    if KEY16:  # the 16-bit logit nearest value * temperature (any monotone rounding will do)
+    gap = tl.where(j == _T - 1, 0.0, 0.25 * tl.exp2(j.to(tl.float32) * -0.5 + _LARGEST_GAP_LOG2))
+    value = x_max - gap
+    if KEY16:  # the 16-bit logit nearest value * temperature
         bits = (value * tl.where(temperature > 0, temperature, 1.0)).to(dtype).to(tl.int16, bitcast=True)
         bits = bits.to(tl.int32)
         key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
@@ -154,13 +175,15 @@ def _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16: tl.constexpr):
 
 
 @triton.jit
-def _advance(keys, hi, stat_hi, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.constexpr):
-    """The interval after a pass evaluated the thresholds ``keys`` ([THRESHOLDS] int64, ascending, the
-    first the interval's lo) of (lo, hi]: the part where the statistic above a key (``partial_ptr``,
-    [B, C, THRESHOLDS] counts or masses, summed over the row's chunks in order) first drops below
-    ``target``. Returns (lo, hi, statistic above hi); hi and ``stat_hi`` stay when no threshold is below
-    the target."""
+def _advance(state_ptr, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.constexpr):
+    """The interval after a pass evaluated the keys ``state_ptr`` holds (ascending, the first its lo)
+    of its interval (lo, hi]: the part where the statistic above a key (``partial_ptr``, [B, C,
+    THRESHOLDS] counts or masses, summed over the row's chunks in a fixed order) first drops below
+    ``target``. Returns (lo, hi, statistic above hi); hi and its statistic stay when no key is below the
+    target."""
     j = tl.arange(0, _T)
+    keys = tl.load(state_ptr + _KEYS + j).to(tl.int64)
+    hi = tl.load(state_ptr + _HI).to(tl.int64)
     chunks = tl.arange(0, CHUNKS_BLOCK)
     offsets = (row * num_chunks + chunks[:, None]) * _T + j[None, :]
     above = tl.sum(tl.load(partial_ptr + offsets, mask=(chunks < num_chunks)[:, None], other=0), axis=0)
@@ -169,8 +192,9 @@ def _advance(keys, hi, stat_hi, partial_ptr, row, num_chunks, target, CHUNKS_BLO
     found = first < _T
     new_lo = tl.sum(tl.where(j == first - 1, keys, 0), axis=0)
     new_hi = tl.where(found, tl.sum(tl.where(j == first, keys, 0), axis=0), hi)
-    new_stat_hi = tl.where(found, tl.sum(tl.where(j == first, above, 0.0), axis=0), stat_hi)
-    return new_lo, new_hi, new_stat_hi
+    stat_hi = tl.where(found, tl.sum(tl.where(j == first, above, 0.0), axis=0),
+                       tl.load(state_ptr + _STAT_HI).to(tl.float32))
+    return new_lo, new_hi, stat_hi
 
 
 @triton.jit
@@ -246,8 +270,8 @@ def _search_kernel(
             # above) survive. Top-p then searches (key below the boundary, largest key]: above lo lies
             # everything top-k keeps, above the largest key nothing.
             if k_on & (hi - lo > 1):
-                _lo_k, key_k, stat_hi = _advance(_key_thresholds(lo, hi), hi, stat_hi, counts_in_ptr, row, num_chunks,
-                                             k.to(tl.float32), CHUNKS_BLOCK)
+                _lo_k, key_k, stat_hi = _advance(state_in, counts_in_ptr, row, num_chunks, k.to(tl.float32),
+                                                 CHUNKS_BLOCK)
             else:
                 key_k = hi
             kept_k = tl.where(k_on, k.to(tl.float32) - stat_hi, 0.0)
@@ -263,22 +287,18 @@ def _search_kernel(
         stat_hi = tl.zeros((), tl.float32)  # nothing lies above the largest key
         keys = _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16)
     else:
-        if STEP == 1:
-            evaluated = _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16)
-            if TOP_P:
+        if TOP_P:
+            if STEP == 1:
                 mass_k = _row_sum(mass_above_k_ptr, row, num_chunks, CHUNKS_BLOCK) + kept_k * _key_weight(
                     tl.where(k_on, key_k, 0), x_max, temperature, dtype, KEY16)
                 target = p * tl.where(k_on, mass_k, total)
-        else:
-            evaluated = _key_thresholds(lo, hi)
+            target = tl.maximum(target, _MIN_TARGET)
         # Rows that skip this search, or whose interval is down to one key, keep their state.
         if searching & (hi - lo > 1):
             if TOP_P:
-                lo, hi, stat_hi = _advance(evaluated, hi, stat_hi, masses_in_ptr, row, num_chunks, target,
-                                           CHUNKS_BLOCK)
+                lo, hi, stat_hi = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
             else:
-                lo, hi, stat_hi = _advance(evaluated, hi, stat_hi, counts_in_ptr, row, num_chunks, target,
-                                           CHUNKS_BLOCK)
+                lo, hi, stat_hi = _advance(state_in, counts_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
         keys = _key_thresholds(lo, hi)
     if chunk == 0:
         state_out = state_out_ptr + row * _FIELDS
@@ -288,6 +308,7 @@ def _search_kernel(
         tl.store(state_out + _KEY_K, key_k.to(tl.float64))
         tl.store(state_out + _KEPT_K, kept_k.to(tl.float64))
         tl.store(state_out + _TARGET, target.to(tl.float64))
+        tl.store(state_out + _KEYS + tl.arange(0, _T), keys.to(tl.float64))
     if searching & (hi - lo > 1):
         # [THRESHOLDS, SUB] tiles, the thresholds along the first axis: each thread keeps all sixteen
         # comparisons of its own entries in registers (entries along the first axis would be spread
@@ -344,8 +365,7 @@ def _boundary_kernel(
     mass_above_p = tl.load(state_in + _STAT_HI).to(tl.float32)
     lo = tl.load(state_in + _LO).to(tl.int64)
     if p_on & (key_p - lo > 1):  # the last pass's interval, narrowed to its one key
-        _lo_p, key_p, mass_above_p = _advance(_key_thresholds(lo, key_p), key_p, mass_above_p, masses_in_ptr, row,
-                                          num_chunks, target, CHUNKS_BLOCK)
+        _lo_p, key_p, mass_above_p = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
     key_k = tl.load(state_in + _KEY_K).to(tl.int64)
     # Rows without filters keep every token: no key is below BELOW, none equal to it.
     boundary = tl.where(p_on, key_p, tl.where(k_on, key_k, BELOW))
@@ -441,27 +461,26 @@ def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: tor
         chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=device)
         chunk_mass = torch.empty_like(chunk_max)
         mass_above_k = torch.zeros_like(chunk_max)
-        # Two sets of partials, one per pass parity: a pass reads the one before's while writing its own.
-        # Zeroed, so a row that skips a search reads counts and masses of 0, never uninitialised memory.
+        # Two sets of partials, one per pass parity: pass n writes set n % 2 and reads the other, the one
+        # the pass before wrote. Zeroed, and states[0] too, so that nothing reads uninitialised memory
+        # (a search's first pass loads the state before it and discards it).
         counts = torch.zeros(2, batch, num_chunks, THRESHOLDS, dtype=torch.int32, device=device)
         masses = torch.zeros(2, batch, num_chunks, THRESHOLDS, dtype=torch.float32, device=device)
-        states = torch.zeros(2 * passes + 1, batch, STATE_FIELDS, dtype=torch.float64, device=device)
+        states = torch.zeros(2 * passes + 2, batch, STATE_FIELDS, dtype=torch.float64, device=device)
         ties = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
         filters = (sampling.temperature, sampling.top_k, sampling.top_p)
         shape = (logits.stride(0), vocab, num_chunks)
         _softmax_stats_kernel[grid](logits, sampling.temperature, chunk_max, chunk_mass, *shape, CHUNK=chunk,
                                     num_warps=8)
-        for n in range(2 * passes):
-            before = max(n - 1, 0)
+        for n in range(2 * passes):  # pass n reads states[n], writes states[n + 1]
             _search_kernel[grid](
-                logits, *filters, chunk_max, chunk_mass, states[before], counts[before % 2], masses[before % 2],
-                states[n], counts[n % 2], masses[n % 2], mass_above_k, *shape, TOP_P=n >= passes,
+                logits, *filters, chunk_max, chunk_mass, states[n], counts[(n + 1) % 2], masses[(n + 1) % 2],
+                states[n + 1], counts[n % 2], masses[n % 2], mass_above_k, *shape, TOP_P=n >= passes,
                 STEP=min(n % passes, 2), KEY16=key16, BELOW=below, TOP=top, CHUNK=chunk,
                 SUB=min(_SUB, chunk), CHUNKS_BLOCK=chunks_block, num_warps=8,
             )
-        last = 2 * passes - 1
-        boundary = states[2 * passes]
-        _boundary_kernel[grid](logits, *filters, states[last], masses[last % 2], boundary, ties, *shape,
+        last, boundary = states[2 * passes], states[2 * passes + 1]
+        _boundary_kernel[grid](logits, *filters, last, masses[(2 * passes - 1) % 2], boundary, ties, *shape,
                                KEY16=key16, BELOW=below, CHUNK=chunk, CHUNKS_BLOCK=chunks_block, num_warps=8)
         _filtered_race_kernel[grid](logits, *filters, chunk_max, chunk_mass, sampling.seeds, sampling.steps, boundary,
                                     ties, best, best_index, *shape, KEY16=key16, CHUNK=chunk,
