@@ -90,12 +90,18 @@ def key_range(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl.constexpr):
-    """(x, key) of the entries ``cols``: ``x = logits / temperature`` in float32 as the sorting path
-    scales them (the raw logits for greedy rows; -inf outside the vocabulary) and an int32 key ordered
-    as x, with -0.0 keyed as 0.0 since they compare equal (outside the vocabulary: the int32 minimum)."""
+def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl.constexpr, EXACT: tl.constexpr):
+    """(x, key) of the entries ``cols``: ``x = logits / temperature`` in float32 (the raw logits for greedy
+    rows; -inf outside the vocabulary) and an int32 key ordered as x, with -0.0 keyed as 0.0 since they
+    compare equal (outside the vocabulary: the int32 minimum). EXACT: x divided as the sorting path
+    divides (IEEE, several times the cost of the GPU's approximate division); needed where x decides an
+    order (float32 keys come from x, and the race), not where it only weighs (a mass is compared with
+    a target up to float rounding anyway)."""
     raw = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf"))
-    x = scale_logits(raw.to(tl.float32), temperature)
+    if EXACT:
+        x = scale_logits(raw.to(tl.float32), temperature)
+    else:
+        x = raw.to(tl.float32) / tl.where(temperature > 0, temperature, 1.0)
     if KEY16:
         bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
         key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
@@ -211,7 +217,8 @@ def _softmax_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x, _ = _entries(logits_ptr, row, stride_row, cols, cols < vocab_size, tl.load(temperature_ptr + row), False)
+    x, _ = _entries(logits_ptr, row, stride_row, cols, cols < vocab_size, tl.load(temperature_ptr + row), False,
+                    False)
     chunk_max = tl.max(x, axis=0)
     finite_max = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)  # a chunk of -inf only: mass 0, no NaN
     mass = tl.sum(tl.where(x > float("-inf"), tl.exp(x - finite_max), 0.0), axis=0)
@@ -320,7 +327,7 @@ def _search_kernel(
         for start in tl.static_range(0, CHUNK, SUB):  # unrolled: the slices' loads can all be in flight
             cols = chunk * CHUNK + start + tl.arange(0, SUB)
             in_vocab = cols < vocab_size
-            x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16)
+            x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16, not KEY16)
             above = key[None, :] > thresholds
             if TOP_P:
                 weight = tl.exp(x - x_max)
@@ -371,7 +378,7 @@ def _boundary_kernel(
     boundary = tl.where(p_on, key_p, tl.where(k_on, key_k, BELOW))
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     in_vocab = cols < vocab_size
-    _, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16)
+    _, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16, not KEY16)
     equal = (key.to(tl.int64) == boundary) & in_vocab
     tl.store(ties_ptr + row * num_chunks + chunk, tl.sum(equal.to(tl.int32), axis=0))
     if chunk == 0:
@@ -426,7 +433,7 @@ def _filtered_race_kernel(
 
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     in_vocab = cols < vocab_size
-    x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16)
+    x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16, True)
     equal = ((key.to(tl.int64) == boundary) & in_vocab).to(tl.int32)
     rank = tl.sum(tl.where(chunks < chunk, ties, 0), axis=0) + tl.cumsum(equal, axis=0) - equal  # by token id
     kept = in_vocab & ((key.to(tl.int64) > boundary) | ((equal > 0) & (rank.to(tl.float32) < survivors)))
