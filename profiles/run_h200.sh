@@ -7,7 +7,7 @@
 # the decode runner and engine), tests-sampling (the samplers'), profile-8b (the 8B's batch-1 step with
 # plain and dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
 # few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
-# counts at head size 64), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
+# counts at head size 64), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
 # kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
 set -uo pipefail
 OUT=${OUT:-h200_out}
@@ -74,6 +74,11 @@ for stage in $stages; do
     decode-splits)
       log "paged decode split counts at head size 64 (1B, SmolLM2 shapes)"
       python profiles/bench_decode_splits.py --json "$OUT/decode_splits.json"
+      ;;
+    decode-big-tile)
+      log "paged decode at batch 1 and 8, context 512: K/V tiles of 128-512 tokens, 4 and 8 warps, every split count"
+      python profiles/bench_decode_splits.py --points 1x512 8x512 --block-n 128 256 512 --num-warps 4 8 \
+        --json "$OUT/decode_big_tile.json"
       ;;
     merge-tile)
       log "paged decode: the merge's tile (registers) at 1-8 rows, context 4096"
