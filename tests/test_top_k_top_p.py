@@ -248,11 +248,12 @@ def test_sorting_sampler_agreement_grid_gpu(batch, vocab, dtype):
 
 @gpu
 @pytest.mark.gpu
-def test_captured_sampler_replays_new_rows_gpu():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_captured_sampler_replays_new_rows_gpu(dtype):
     """Captured once in a CUDA graph, replayed with other parameters and logits written in place: the
     tokens are the sorting sampler's for the new rows."""
     batch, vocab = 16, 128256
-    logits = torch.randn(batch, vocab, device=DEVICE)
+    logits = torch.randn(batch, vocab, device=DEVICE).to(dtype)
     static = SamplingTensors.allocate(batch, DEVICE)
     _rows([KINDS[0]] * batch).copy_into(static)
     static.all_greedy, static.needs_top_k_top_p = False, True

@@ -12,8 +12,9 @@ op on bf16 tensors computes in float32 and rounds its result), so in bf16 the tw
 bit except where a float32 reduction sums in another order (the norm: its last bit; the GEMV's
 products, as any two GEMM libraries differ). In float32 the GPU
 may contract a product and a sum into one FMA; in float16 Triton may fold a rounding round trip. The
-temperature sampler draws from the same noise as ``graphrt.sampler`` and differs only at float32
-near-ties.
+samplers draw from the same noise as ``graphrt.sampler`` and differ only at float32 near-ties: the
+temperature race in ``sampling``, and top-k / top-p in ``top_k_top_p``, which finds each row's kept set
+by a threshold search instead of sorting the vocabulary.
 
 Modules import Triton at import time; import them only where Triton can run (CUDA, or the CPU
 interpreter under ``TRITON_INTERPRET=1``).
