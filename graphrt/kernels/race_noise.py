@@ -54,8 +54,15 @@ def log_race_noise(cols, seed, step):
 
 
 @triton.jit
+def temperature_divisor(temperature):
+    """What a row's logits are divided by: its temperature, or 1 for a greedy row (temperature 0), whose
+    logits stay as they are."""
+    return tl.where(temperature > 0, temperature, 1.0)
+
+
+@triton.jit
 def scale_logits(logits, temperature):
     """float32 ``logits / temperature`` rounded as torch divides it (IEEE; Triton's ``/`` is approximate
     on the GPU), so that the fused samplers scale exactly as ``graphrt.sampler`` does; greedy rows
     (temperature 0) keep their logits."""
-    return tl.math.div_rn(logits, tl.where(temperature > 0, temperature, 1.0))
+    return tl.math.div_rn(logits, temperature_divisor(temperature))

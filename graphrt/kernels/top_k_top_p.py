@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ..sampler import SamplingTensors
 from .argmax import store_chunk_best, two_pass_argmax
-from .race_noise import log_race_noise, scale_logits
+from .race_noise import log_race_noise, scale_logits, temperature_divisor
 
 #: Keys a search pass evaluates in a row's interval; each pass narrows it sixteenfold.
 THRESHOLDS = 16
@@ -90,6 +90,17 @@ def key_range(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _flip_negatives(bits, KEY16: tl.constexpr):
+    """Float bits (int32; 16-bit floats' sign-extended) to an integer key of the same order, and back:
+    a negative value's magnitude bits are inverted, so larger magnitudes sort lower. Its own inverse."""
+    if KEY16:
+        flipped = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+    else:
+        flipped = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return flipped
+
+
+@triton.jit
 def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl.constexpr, EXACT: tl.constexpr):
     """(x, key) of the entries ``cols``: ``x = logits / temperature`` in float32 (the raw logits for greedy
     rows; -inf outside the vocabulary) and an int32 key ordered as x, with -0.0 keyed as 0.0 since they
@@ -101,13 +112,11 @@ def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl
     if EXACT:
         x = scale_logits(raw.to(tl.float32), temperature)
     else:
-        x = raw.to(tl.float32) / tl.where(temperature > 0, temperature, 1.0)
+        x = raw.to(tl.float32) / temperature_divisor(temperature)
     if KEY16:
-        bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
-        key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+        key = _flip_negatives(raw.to(tl.int16, bitcast=True).to(tl.int32), True)
     else:
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key = _flip_negatives(x.to(tl.int32, bitcast=True), False)
     key = tl.where(key == -1, 0, key)  # -0.0's key is -1
     return x, tl.where(in_vocab, key, -2147483648)  # entries past the vocabulary lie below every threshold
 
@@ -115,13 +124,11 @@ def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl
 @triton.jit
 def _key_weight(key, x_max, temperature, dtype, KEY16: tl.constexpr):
     """``exp(x - x_max)`` of the value whose key is ``key`` (int64 scalar; the inverse of _entries)."""
+    bits = _flip_negatives(key.to(tl.int32), KEY16)
     if KEY16:
-        bits = key.to(tl.int32)
-        raw = tl.where(bits < 0, bits ^ 0x7FFF, bits).to(tl.int16).to(dtype, bitcast=True)
-        x = scale_logits(raw.to(tl.float32), temperature)
+        x = scale_logits(bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32), temperature)
     else:
-        bits = key.to(tl.int32)
-        x = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+        x = bits.to(tl.float32, bitcast=True)
     return tl.exp(x - x_max)
 
 
@@ -171,12 +178,10 @@ def _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16: tl.constexpr):
     gap = tl.where(j == _T - 1, 0.0, 0.25 * tl.exp2(j.to(tl.float32) * -0.5 + _LARGEST_GAP_LOG2))
     value = x_max - gap
     if KEY16:  # the 16-bit logit nearest value * temperature
-        bits = (value * tl.where(temperature > 0, temperature, 1.0)).to(dtype).to(tl.int16, bitcast=True)
-        bits = bits.to(tl.int32)
-        key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+        bits = (value * temperature_divisor(temperature)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
     else:
         bits = value.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = _flip_negatives(bits, KEY16)
     return tl.where(j == 0, lo, tl.minimum(tl.maximum(key.to(tl.int64), lo + 1), hi))
 
 
