@@ -145,6 +145,7 @@ def _qkv_rope_cache_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # first-half channels a program computes (with their second halves); divides D / 2
     BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (gemv.norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     HALF = HEAD_SIZE // 2
@@ -165,11 +166,14 @@ def _qkv_rope_cache_kernel(
     sin = round_to(tl.load(sin_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + token)
-    first, second = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr, K,
-                                      eps, NORM, True, BLOCK_K, PDL, dtype)
+    if HAS_BIAS:  # static, like the weights
+        first_bias = tl.load(bias_ptr + first_cols).to(tl.float32)
+        second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
+    first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
+                                         x_row, K, eps, NORM, True, False, BLOCK_K, NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
-        first += tl.load(bias_ptr + first_cols).to(tl.float32)
-        second += tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
+        first += first_bias
+        second += second_bias
     # The projection's output tensor, then the rotation rope_and_write_kv_cache would apply to it.
     first = round_to(first, dtype)
     second = round_to(second, dtype)
@@ -243,8 +247,8 @@ def project_rope_and_write_kv_cache(
         float(eps), in_features, 1.0 / float(k_scale), 1.0 / float(v_scale),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        **launch_options(dependent_launch),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
+        num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out
 

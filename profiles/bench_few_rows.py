@@ -149,7 +149,11 @@ def _few_rows_kernel(
     if EPILOGUE == 2:
         up = acc_up
     out_ptrs = out_ptr + rows_m.to(tl.int64)[None, :] * stride_out + cols_n[:, None]
-    gemv.store_linear_output(result, up, out_ptrs, n_mask[:, None] & m_mask[None, :], EPILOGUE, dtype)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    addend = result
+    if EPILOGUE == 1:
+        addend = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    gemv.store_linear_output(result, up, addend, out_ptrs, out_mask, EPILOGUE, dtype)
 
 
 def linear_few_rows(

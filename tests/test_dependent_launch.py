@@ -36,6 +36,7 @@ def _cases(pdl: bool) -> list[dict]:
     from graphrt.kernels.gemv import general_config
 
     gemv = gemv_case("gemv-norm-silu", "bf16", "norm_silu", general_config(2048, silu_mul=True), pdl)
+    gemv_unnormed = gemv_case("gemv-silu", "bf16", "silu", general_config(2048, silu_mul=True), pdl)
     rope = _case("rope-cache-write", "graphrt.attention.triton_rope_cache_write", "_rope_cache_write_kernel",
                  {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_qkv_row": "i32", "stride_table_row": "i32",
@@ -59,8 +60,8 @@ def _cases(pdl: bool) -> list[dict]:
                       **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")},
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
-                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, PDL=pdl))
-    return [gemv, rope, split, qkv_rope]
+                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
+    return [gemv, gemv_unnormed, rope, split, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -78,7 +79,9 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         assert min(result["dependency_waits"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
-    assert loads_first.pop("gemv-norm-silu") > 0  # the first weight slice (gate and up), requested early
+    # The first weight slice (gate and up), requested early, and with the norm its weight's first slice.
+    unnormed = loads_first.pop("gemv-silu")
+    assert loads_first.pop("gemv-norm-silu") > unnormed > 0
     # Its first weight slice (both halves of its channels), the position, rotary rows and slot.
     assert loads_first.pop("qkv-rope-cache") > 0
     assert set(loads_first.values()) == {0}, loads_first

@@ -162,10 +162,11 @@ def _sm90_cases():
     cases = []
     for dtype, variant, pdl in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"], [False, True]):
         config = gemv.general_config(8192, variant == "norm_silu")
-        cases.append(gemv_case(f"{variant}-{dtype}{'-dependent' if pdl else ''}", dtype, variant, config, pdl))
+        cases.append(gemv_case(f"{variant}-{dtype}{'-dependent' if pdl else ''}", dtype, variant, config, pdl, 8192))
     for (rows, in_features, silu), config in gemv.MEASURED_TILES.items():
         for variant in ["norm_silu"] if silu else ["norm", "add"]:
-            cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True))
+            cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True,
+                                   in_features))
     return cases
 
 

@@ -80,13 +80,12 @@ class TileConfig:
 
 
 @triton.jit
-def _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM: tl.constexpr, dtype: tl.constexpr):
+def _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM: tl.constexpr, dtype: tl.constexpr):
     """The row's K slice ``k_cols`` ([1, BLOCK_K]) as float32, normalised with NORM as rms_norm_torch
-    rounds it: ``weight * (x * inv_rms).to(dtype)``, rounded to dtype."""
-    k_mask = k_cols < K
-    x = tl.load(x_row + k_cols, mask=k_mask, other=0.0).to(tl.float32)
+    rounds it: ``norm_w * (x * inv_rms).to(dtype)``, rounded to dtype (``norm_w``: the norm weight's
+    slice, [1, BLOCK_K] float32, loaded by the caller)."""
+    x = tl.load(x_row + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
     if NORM:
-        norm_w = tl.load(norm_w_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
         x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
     return x
 
@@ -100,20 +99,29 @@ def row_products(
     paired_rows,  # [BLOCK_N] a second set of rows (read only with PAIRED)
     n_mask,  # [BLOCK_N] rows that exist
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    addend_ptrs,  # [BLOCK_N] what the caller's epilogue adds (read only with ADDEND)
     K,
     eps,
     NORM: tl.constexpr,
     PAIRED: tl.constexpr,
+    ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,  # with NORM: a power of two >= K, the row's elements one load takes
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     dtype: tl.constexpr,
 ):
     """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
-    each (without PAIRED the second is the first). With PDL it lets the next kernel start, loads the
-    first weight slice, then waits for the previous kernel before reading x: call it before anything
-    in the kernel that reads what the step's kernels write (only what none of them writes, weights,
-    tables and the step's host-uploaded inputs, may be read before it; see
-    ``graphrt.kernels.dependent_launch``)."""
+    each (without PAIRED the second is the first), and with ADDEND the values at ``addend_ptrs`` as
+    float32 [BLOCK_N] (zeros without). With PDL it lets the next kernel start, loads the first weight
+    and norm-weight slices, then waits for the previous kernel before reading x and the addend: call it
+    before anything in the kernel that reads what the step's kernels write (only what none of them
+    writes, weights, tables and the step's host-uploaded inputs, may be read before it; see
+    ``graphrt.kernels.dependent_launch``).
+
+    After the wait everything a program does is on the step's critical path, so the loads there are
+    arranged to take few round trips in turn: the addend (the residual stream, which the previous
+    kernels wrote) is requested at once with the row rather than after the products, and the norm's
+    sum of squares reads the row in one load of NORM_BLOCK elements rather than slice after slice."""
     # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
     # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
     k_offsets = tl.arange(0, BLOCK_K)[None, :]
@@ -122,34 +130,46 @@ def row_products(
 
     if PDL:
         # The next kernel may be scheduled once every program here has started. Weights are static,
-        # so the first slice is loaded before waiting for the previous kernel; x and out are read
-        # and written only after the wait.
+        # so the first slices are loaded before waiting for the previous kernel; x and the addend are
+        # read only after the wait.
         tl.extra.cuda.gdc_launch_dependents()
     first_mask = n_mask[:, None] & (k_offsets < K)
     w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
     if PAIRED:
         paired_first = tl.load(paired_ptrs, mask=first_mask, other=0.0)
+    norm_w = 1.0
+    if NORM:
+        # A norm weight is read by every program of the kernel at once, first from HBM: loaded before
+        # the wait, its latency overlaps the previous kernel instead of following the sum of squares.
+        norm_w = tl.load(norm_w_ptr + k_offsets, mask=k_offsets < K, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    addend = tl.zeros_like(rows).to(tl.float32)
+    if ADDEND:
+        addend = tl.load(addend_ptrs, mask=n_mask, other=0.0).to(tl.float32)
 
     inv_rms = 1.0
     if NORM:
-        # 1 / rms of the row, recomputed by every program: the row comes from L2.
-        sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k + k_offsets, mask=k + k_offsets < K, other=0.0).to(tl.float32)
+        # 1 / rms of the row, recomputed by every program: the row comes from L2. The loop runs once
+        # for rows up to NORM_BLOCK long (the launcher's cap), one round trip instead of K / BLOCK_K.
+        norm_offsets = tl.arange(0, NORM_BLOCK)[None, :]
+        sum_squares = tl.zeros([1, NORM_BLOCK], dtype=tl.float32)
+        for k in range(0, K, NORM_BLOCK):
+            x = tl.load(x_row + k + norm_offsets, mask=k + norm_offsets < K, other=0.0).to(tl.float32)
             sum_squares += x * x
         inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
 
     # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
     # would synchronise the warps every slice. The first slice's weights were loaded above.
-    x = _row_slice(x_row, norm_w_ptr, k_offsets, K, inv_rms, NORM, dtype)
+    x = _row_slice(x_row, norm_w, k_offsets, K, inv_rms, NORM, dtype)
     acc = w_first.to(tl.float32) * x
     if PAIRED:  # acc_paired exists only then
         acc_paired = paired_first.to(tl.float32) * x
     for k in range(BLOCK_K, K, BLOCK_K):
         k_cols = k + k_offsets
-        x = _row_slice(x_row, norm_w_ptr, k_cols, K, inv_rms, NORM, dtype)
+        if NORM:
+            norm_w = tl.load(norm_w_ptr + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
+        x = _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM, dtype)
         w_mask = n_mask[:, None] & (k_cols < K)
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * x
@@ -161,7 +181,17 @@ def row_products(
     paired_products = products
     if PAIRED:
         paired_products = tl.sum(acc_paired, axis=1)
-    return products, paired_products
+    return products, paired_products, addend
+
+
+#: Most row elements the norm's sum of squares loads at once (``norm_block``): 32 float32 registers
+#: a thread at 8 warps, 64 at 4.
+_MAX_NORM_BLOCK = 8192
+
+
+def norm_block(in_features: int) -> int:
+    """``row_products``' NORM_BLOCK for rows of ``in_features``: the whole row up to ``_MAX_NORM_BLOCK``."""
+    return min(_MAX_NORM_BLOCK, triton.next_power_of_2(max(in_features, 1)))
 
 
 @triton.jit
@@ -182,30 +212,35 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
-    # With SILU_MUL a program computes gate outputs n and up outputs I + n together.
-    result, up = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, K, eps,
-                              NORM, EPILOGUE == 2, BLOCK_K, PDL, dtype)
-    if HAS_BIAS:
-        result += tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
-    store_linear_output(result, up, out_ptrs, n_mask, EPILOGUE, dtype)
+    if HAS_BIAS:  # static: read before row_products waits
+        bias = tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
+    # With SILU_MUL a program computes gate outputs n and up outputs I + n together; with ADD_TO_OUT
+    # row_products reads out's values (the residual stream) along with the row.
+    result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs, K,
+                                      eps, NORM, EPILOGUE == 2, EPILOGUE == 1, BLOCK_K, NORM_BLOCK, PDL, dtype)
+    if HAS_BIAS:
+        result += bias
+    store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
 
 
 @triton.jit
-def store_linear_output(result, up, out_ptrs, mask, EPILOGUE: tl.constexpr, dtype: tl.constexpr):
+def store_linear_output(result, up, addend, out_ptrs, mask, EPILOGUE: tl.constexpr, dtype: tl.constexpr):
     """Rounds float32 products (bias added) as the linear layer's output tensor, applies the epilogue
     as the unfused torch ops round it and stores: ``EPILOGUE_STORE``; ``EPILOGUE_ADD_TO_OUT`` adds
-    ``out``'s values; ``EPILOGUE_SILU_MUL`` writes ``silu(result) * up`` (``up``: the up products, read
-    only then). Any tile shape: ``result``, ``up``, ``out_ptrs`` and ``mask`` share it."""
+    ``addend`` (out's values, float32, loaded by the caller); ``EPILOGUE_SILU_MUL`` writes ``silu(result)
+    * up`` (``up``: the up products, read only then). Any tile shape: ``result``, ``up``, ``addend``,
+    ``out_ptrs`` and ``mask`` share it."""
     result = round_to(result, dtype).to(tl.float32)
     if EPILOGUE == 1:  # EPILOGUE_ADD_TO_OUT
-        result += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        result += addend
     elif EPILOGUE == 2:  # EPILOGUE_SILU_MUL
         up = round_to(up, dtype).to(tl.float32)
         result = round_to(result / (1.0 + tl.exp(-result)), dtype).to(tl.float32) * up
@@ -346,7 +381,7 @@ def linear_gemv(
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        **launch_options(dependent_launch),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block(in_features),
+        num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out
