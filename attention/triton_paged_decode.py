@@ -349,32 +349,41 @@ def _merge_splits(
 ):
     """Merges the ``num_splits`` partials of heads ``first_head .. first_head + GROUP`` of sequence
     ``seq`` and writes their rows of ``out``. The partials were written by other programs of this
-    launch: loaded with ``.cg`` (from L2, never a stale L1 line)."""
+    launch: loaded with ``.cg`` (from L2, never a stale L1 line). When one chunk holds every split
+    (SPLITS_CHUNK >= SPLITS_PAD) the outputs are loaded with the maxima and sums, one round trip
+    instead of two in turn: this runs on the step's critical path, after the last split arrives."""
     rows = tl.arange(0, GROUP_MERGE)
     row_ok = rows < GROUP
     heads = first_head + rows
     head_stat = seq.to(tl.int64) * stride_wb + heads * stride_wh  # [GROUP_MERGE]
     splits = tl.arange(0, SPLITS_PAD)
     stat_ok = row_ok[:, None] & (splits < num_splits)[None, :]
-    # Empty splits (short sequences) left max = -inf, sum = 0 and a zero output: they get weight 0.
-    m = tl.load(m_ptr + head_stat[:, None] + splits[None, :], mask=stat_ok, other=float("-inf"),
-                cache_modifier=".cg")
-    l = tl.load(l_ptr + head_stat[:, None] + splits[None, :], mask=stat_ok, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, axis=1)  # [GROUP_MERGE]; finite for real heads (seq_len >= 1)
-    denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp2(m - m_all[:, None]), 0.0), axis=1)
-
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    chunk = tl.arange(0, SPLITS_CHUNK)
-    out = tl.zeros([GROUP_MERGE, HEAD_PAD], tl.float32)
-    for first_split in range(0, num_splits, SPLITS_CHUNK):
-        chunk_stat = head_stat[:, None] + (first_split + chunk)[None, :]  # [GROUP_MERGE, SPLITS_CHUNK]
-        chunk_ok = row_ok[:, None] & ((first_split + chunk) < num_splits)[None, :]
-        m_chunk = tl.load(m_ptr + chunk_stat, mask=chunk_ok, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.where(m_chunk > float("-inf"), tl.exp2(m_chunk - m_all[:, None]), 0.0)
-        partial = tl.load(acc_ptr + chunk_stat[:, :, None] * HEAD_SIZE + dims[None, None, :],
-                          mask=chunk_ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        out += tl.sum(partial * weight[:, :, None], axis=1)
+    stat = head_stat[:, None] + splits[None, :]  # [GROUP_MERGE, SPLITS_PAD]
+    # Empty splits (short sequences) left max = -inf, sum = 0 and a zero output: they get weight 0.
+    m = tl.load(m_ptr + stat, mask=stat_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(l_ptr + stat, mask=stat_ok, other=0.0, cache_modifier=".cg")
+    if SPLITS_CHUNK >= SPLITS_PAD:
+        partial = tl.load(acc_ptr + stat[:, :, None] * HEAD_SIZE + dims[None, None, :],
+                          mask=stat_ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, axis=1)  # [GROUP_MERGE]; finite for real heads (seq_len >= 1)
+    weight = tl.where(m > float("-inf"), tl.exp2(m - m_all[:, None]), 0.0)
+    denom = tl.sum(l * weight, axis=1)
+
+    if SPLITS_CHUNK >= SPLITS_PAD:
+        out = tl.sum(partial * weight[:, :, None], axis=1)
+    else:
+        chunk = tl.arange(0, SPLITS_CHUNK)
+        out = tl.zeros([GROUP_MERGE, HEAD_PAD], tl.float32)
+        for first_split in range(0, num_splits, SPLITS_CHUNK):
+            chunk_stat = head_stat[:, None] + (first_split + chunk)[None, :]  # [GROUP_MERGE, SPLITS_CHUNK]
+            chunk_ok = row_ok[:, None] & ((first_split + chunk) < num_splits)[None, :]
+            m_chunk = tl.load(m_ptr + chunk_stat, mask=chunk_ok, other=float("-inf"), cache_modifier=".cg")
+            chunk_weight = tl.where(m_chunk > float("-inf"), tl.exp2(m_chunk - m_all[:, None]), 0.0)
+            partial = tl.load(acc_ptr + chunk_stat[:, :, None] * HEAD_SIZE + dims[None, None, :],
+                              mask=chunk_ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            out += tl.sum(partial * chunk_weight[:, :, None], axis=1)
     out = out / denom[:, None]
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
