@@ -12,7 +12,9 @@ of the group (padded to 16 rows so both products run on the tensor cores), and k
 With one split it normalises and writes ``out`` directly; otherwise it writes its running max, sum and
 unnormalised output to a ``DecodeWorkspace`` and counts itself in at the workspace's arrival counter of
 its (sequence, kv head): the split that arrives last merges the group's partials and writes ``out``, then
-sets the counter back to zero for the next launch. One kernel per attention call, not a split kernel and
+sets the counter back to zero for the next launch. Only the splits whose slice holds keys at the live
+length take part (a graph captured for long contexts runs short sequences with most slices empty); a
+lone live split writes ``out`` directly. One kernel per attention call, not a split kernel and
 a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time.
 
 CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` chosen on the host from the batch
@@ -302,29 +304,35 @@ def _decode_split_kernel(
         m_i = m_new
 
     acc = acc * v_scale
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_ok[:, None] & dim_ok[None, :]
     if SINGLE_SPLIT:
         # The whole live range was one slice: seq_len >= 1 guarantees l_i > 0.
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        stat = seq.to(tl.int64) * stride_wb + heads * stride_wh + split
-        tl.store(m_ptr + stat, m_i, mask=row_ok)
-        tl.store(l_ptr + stat, l_i, mask=row_ok)
-        tl.store(acc_ptr + stat[:, None] * HEAD_SIZE + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
-        # Count this split in. One thread performs a scalar atomic: the barrier orders every thread's
-        # partial stores before its release, and its acquire (the count is broadcast to the others)
-        # orders the merge's loads after the other splits' stores.
-        tl.debug_barrier()
-        counter = arrivals_ptr + seq.to(tl.int64) * stride_arrivals + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split is in: ready for the next launch
-            _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh, stride_wb,
-                          stride_wh, num_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, SPLITS_CHUNK)
+        # Splits whose slice starts past the live range (a graph captured for a long context running a
+        # short sequence: most of them) have nothing to add and neither store nor count in; the live
+        # ones merge among themselves, and a lone live split writes out directly.
+        live_splits = tl.cdiv(seq_len - first_key, slice_len)
+        if live_splits == 1:
+            if split == 0:
+                tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        elif split < live_splits:
+            stat = seq.to(tl.int64) * stride_wb + heads * stride_wh + split
+            tl.store(m_ptr + stat, m_i, mask=row_ok)
+            tl.store(l_ptr + stat, l_i, mask=row_ok)
+            tl.store(acc_ptr + stat[:, None] * HEAD_SIZE + dims[None, :], acc, mask=out_mask)
+            # Count this split in. One thread performs a scalar atomic: the barrier orders every thread's
+            # partial stores before its release, and its acquire (the count is broadcast to the others)
+            # orders the merge's loads after the other splits' stores.
+            tl.debug_barrier()
+            counter = arrivals_ptr + seq.to(tl.int64) * stride_arrivals + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == live_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # all in: ready for the next launch
+                _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh,
+                              stride_wb, stride_wh, live_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD,
+                              SPLITS_PAD, SPLITS_CHUNK)
 
 
 @triton.jit

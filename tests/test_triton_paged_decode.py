@@ -188,6 +188,31 @@ def test_shorter_real_lengths_than_the_captured_maximum():
     check(Case(3, 4, 1, 64, 16, [1, 17, 9], torch.float16, max_seq_len=200), seed=5)
 
 
+@pytest.mark.parametrize("seq_lens,splits", [([1, 17, 9], 16), ([40, 130, 3], 5), ([64, 64, 64], 8)])
+def test_splits_past_the_live_length_stay_out(seq_lens, splits):
+    """A launch fixed for a long context (max_seq_len 512, many splits) running short sequences: splits
+    whose slice holds no key neither store nor count in (their workspace rows stay poisoned and unread),
+    the live ones merge among themselves, a lone live split writes out alone, and every arrival counter
+    is back at zero for the next launch."""
+    case = Case(3, 4, 2, 64, 16, seq_lens, torch.float16, num_splits=splits, max_seq_len=512)
+    workspace = tpd.DecodeWorkspace.allocate(3, 4, 64, max_splits=16, device=DEVICE)
+    workspace.partial_out.fill_(float("nan"))
+    workspace.max_logits.fill_(float("nan"))
+    for seed in (31, 32):
+        inputs = make_inputs(case, seed)
+        out = run_kernel(case, inputs, workspace=workspace)
+        assert not out.isnan().any()
+        assert relative_error(out, reference(case, inputs)) < TOLERANCE[case.dtype]
+        assert workspace.arrivals.count_nonzero().item() == 0
+    block_n = tpd.default_config(64, 2, torch.device(DEVICE)).block_n
+    for b, length in enumerate(seq_lens):
+        slice_len = -(-(-(-length // splits)) // block_n) * block_n
+        live = -(-length // slice_len)
+        written = ~workspace.max_logits[b, :, :splits].isnan()
+        assert written[:, live:].sum().item() == 0, (length, live)  # the empty splits wrote nothing
+        assert written[:, :live].all().item() == (live > 1), (length, live)  # a lone split writes out alone
+
+
 def test_last_split_merges_and_leaves_the_workspace_ready():
     """The split that arrives last merges its group's partials (in chunks of splits when the group's
     partials exceed one load: 8 heads x 256 channels take 4 splits at a time, 6 splits here), and every
