@@ -61,12 +61,10 @@ def _poisoned(batch):
     return torch.full((batch,), -7, dtype=torch.int64, device=DEVICE)
 
 
-def check_against_sorting_sampler(logits, params, seed=0, max_chunk=top_k_top_p.MAX_CHUNK, allowed_mismatches=0,
-                                  compact_capacity=top_k_top_p.COMPACT_CAPACITY):
+def check_against_sorting_sampler(logits, params, seed=0, max_chunk=top_k_top_p.MAX_CHUNK, allowed_mismatches=0):
     rows = _rows(params, seed)
     out = _poisoned(len(params))
-    got = top_k_top_p.sample_top_k_top_p(logits, rows, out=out, max_chunk=max_chunk,
-                                         compact_capacity=compact_capacity)
+    got = top_k_top_p.sample_top_k_top_p(logits, rows, out=out, max_chunk=max_chunk)
     assert got.data_ptr() == out.data_ptr()
     want = sample(logits, rows)
     greedy = rows.temperature == 0
@@ -76,51 +74,14 @@ def check_against_sorting_sampler(logits, params, seed=0, max_chunk=top_k_top_p.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("vocab,max_chunk,capacity", [(300, 64, top_k_top_p.COMPACT_CAPACITY), (300, 64, 4),
-                                                      (37, 16, top_k_top_p.COMPACT_CAPACITY)])
-def test_every_kind_of_row_matches_the_sorting_sampler(vocab, max_chunk, capacity, dtype):
+@pytest.mark.parametrize("vocab,max_chunk", [(300, 64), (37, 16)])
+def test_every_kind_of_row_matches_the_sorting_sampler(vocab, max_chunk, dtype):
     """bf16 logits repeat values often, so top-k and top-p boundaries fall inside runs of equal values
-    and the lower ids must be the ones kept. With a copy-out capacity of 4 most rows' intervals do not
-    fit after the second pass, and those rows are scanned whole to the end."""
+    and the lower ids must be the ones kept."""
     params = KINDS
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(len(params), vocab, generator=gen) * 2.5).to(dtype).to(DEVICE)
-    check_against_sorting_sampler(logits, params, seed=vocab, max_chunk=max_chunk, compact_capacity=capacity)
-
-
-#: (row, entries) of every scan of copied-out entries, while ``_counted_scan_compact`` stands in.
-_COMPACT_SCANS: list[tuple[int, int]] = []
-_scan_compact = top_k_top_p._scan_compact
-
-
-@triton.jit
-def _counted_scan_compact(keys_ptr, weights_ptr, row, count, thresholds, TOP_P: tl.constexpr, SUB: tl.constexpr,
-                          CAPACITY: tl.constexpr):
-    """``_scan_compact``, noting its row and entry count (the interpreter runs this as Python)."""
-    _COMPACT_SCANS.append((int(row), int(count)))
-    return _scan_compact(keys_ptr, weights_ptr, row, count, thresholds, TOP_P, SUB, CAPACITY)
-
-
-@pytest.mark.skipif(CUDA, reason="counts the interpreter's calls of a kernel helper")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_passes_after_the_second_read_the_copied_out_entries(dtype, monkeypatch):
-    """Rows whose interval after the second pass fits the capacity are searched on from the copied-out
-    entries (their count as the second pass found it); rows whose interval does not fit, or with a
-    capacity of 0, from the whole row. Tokens are the sorting sampler's every time."""
-    scans = _COMPACT_SCANS
-    scans.clear()
-    monkeypatch.setattr(top_k_top_p, "_scan_compact", _counted_scan_compact)
-    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=20),
-              SamplingParams(temperature=0.7, top_k=30, top_p=0.8)]
-    gen = torch.Generator().manual_seed(4)
-    logits = (torch.randn(len(params), 300, generator=gen) * 3).to(dtype).to(DEVICE)
-    check_against_sorting_sampler(logits, params, seed=4, max_chunk=64)
-    copied = {row: count for row, count in scans}
-    assert set(copied) == {0, 1, 2}, scans
-    for capacity in (0, min(copied.values()) - 1):
-        scans.clear()
-        check_against_sorting_sampler(logits, params, seed=4, max_chunk=64, compact_capacity=capacity)
-        assert {row for row, _ in scans} == {row for row, count in copied.items() if count <= capacity}, scans
+    check_against_sorting_sampler(logits, params, seed=vocab, max_chunk=max_chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -154,10 +115,8 @@ PROBE_ROWS = [
 
 
 @pytest.mark.skipif(CUDA, reason="swaps the race noise, which only the interpreter looks up when it runs")
-@pytest.mark.parametrize("dtype,capacity", [(torch.float32, top_k_top_p.COMPACT_CAPACITY),
-                                            (torch.bfloat16, top_k_top_p.COMPACT_CAPACITY), (torch.bfloat16, 0)],
-                         ids=str)
-def test_kept_sets_are_the_sorting_samplers(dtype, capacity, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kept_sets_are_the_sorting_samplers(dtype, monkeypatch):
     """Every token of every row, one at a time, lifted above the others by the race noise: the row
     draws it exactly when its kept set holds it, so the kept sets themselves are compared with
     ``graphrt.sampler.filtered_order``'s (finite tokens; a kept -inf token can never be drawn). Logits
@@ -171,8 +130,7 @@ def test_kept_sets_are_the_sorting_samplers(dtype, capacity, monkeypatch):
     batch = logits.repeat_interleave(PROBE_VOCAB, dim=0)  # row r's copies probe tokens 0 .. V-1
     params = [params for params in PROBE_ROWS for _ in range(PROBE_VOCAB)]
     probes = SamplingTensors.from_params(params, [0] * len(params), list(range(PROBE_VOCAB)) * rows, DEVICE)
-    drawn = top_k_top_p.sample_top_k_top_p(batch, probes, max_chunk=8, compact_capacity=capacity)
-    drawn = drawn.reshape(rows, PROBE_VOCAB)
+    drawn = top_k_top_p.sample_top_k_top_p(batch, probes, max_chunk=8).reshape(rows, PROBE_VOCAB)
     kept_by_search = drawn == torch.arange(PROBE_VOCAB)
 
     reference = SamplingTensors.from_params(PROBE_ROWS, [0] * rows, [0] * rows, DEVICE)
@@ -241,12 +199,11 @@ def _sm90_cases() -> list[dict]:
         stats = {"chunk_max_ptr": "*fp32", "chunk_mass_ptr": "*fp32"}
         search = {**rows, **stats, "state_in_ptr": "*fp64", "counts_in_ptr": "*i32", "masses_in_ptr": "*fp32",
                   "state_out_ptr": "*fp64", "counts_out_ptr": "*i32", "masses_out_ptr": "*fp32",
-                  "mass_above_k_ptr": "*fp32", "compact_keys_ptr": "*i32", "compact_weights_ptr": "*fp32", **sizes}
-        compact = dict(CAPACITY=top_k_top_p.COMPACT_CAPACITY, COMPACT_SUB=256)
+                  "mass_above_k_ptr": "*fp32", **sizes}
         kernels = [("_softmax_stats_kernel", {"logits_ptr": f"*{dtype}", "temperature_ptr": "*fp32", **stats, **sizes},
                     dict(CHUNK=top_k_top_p.MAX_CHUNK))]
         kernels += [("_search_kernel", search, dict(TOP_P=top_p, STEP=step, BELOW=below, TOP=top, SUB=256, **keys,
-                                                    **chunk, **compact)) for top_p in (False, True) for step in (0, 1, 2)]
+                                                    **chunk)) for top_p in (False, True) for step in (0, 1, 2)]
         kernels.append(("_boundary_kernel", {**rows, "state_in_ptr": "*fp64", "masses_in_ptr": "*fp32",
                                              "boundary_ptr": "*fp64", "ties_ptr": "*i32", **sizes},
                         dict(BELOW=below, **keys, **chunk)))
@@ -279,17 +236,14 @@ def test_mismatched_rows_are_rejected():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("batch,capacity", [(batch, top_k_top_p.COMPACT_CAPACITY) for batch in (1, 11, 64, 256)]
-                         + [(64, 0)])
+@pytest.mark.parametrize("batch", [1, 11, 64, 256])
 @pytest.mark.parametrize("vocab", [49152, 128256, 151936])
-def test_sorting_sampler_agreement_grid_gpu(batch, capacity, vocab, dtype):
-    """Presets' vocabularies, every kind of row: at most one row in a hundred may differ (near-ties).
-    Capacity 0: every pass scans the whole row."""
+def test_sorting_sampler_agreement_grid_gpu(batch, vocab, dtype):
+    """Presets' vocabularies, every kind of row: at most one row in a hundred may differ (near-ties)."""
     params = [KINDS[i % len(KINDS)] for i in range(batch)]
     gen = torch.Generator().manual_seed(batch + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 4).to(dtype).to(DEVICE)
-    check_against_sorting_sampler(logits, params, seed=batch, allowed_mismatches=batch // 100,
-                                  compact_capacity=capacity)
+    check_against_sorting_sampler(logits, params, seed=batch, allowed_mismatches=batch // 100)
 
 
 @gpu

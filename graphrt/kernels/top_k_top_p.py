@@ -18,21 +18,16 @@ tokens equal to it. These kernels find that boundary by search instead of a sort
    first pass puts its keys at the row's max and below it (from ~23 to 0.25 under it), where top-k's
    few tokens and nearly all of a row's mass lie; the passes after it split sixteenfold, 4 for 16-bit
    keys (``16 ** 4``), 8 for float32 ones (``16 ** 8``), enough for any interval, and stop working
-   once a row's interval is one key. Each search's second pass also copies out the keys (and top-p's
-   weights) of the entries in the interval it evaluates, when they fit ``compact_capacity`` (the first
-   pass's per-chunk counts give each chunk its offset): the passes after it read those few entries, plus
-   the count or mass above them, instead of the row; rows whose interval does not fit are scanned whole.
-   Pass by pass (P = 4 or 8):
+   once a row's interval is one key. Pass by pass (P = 4 or 8):
 
    ====================  ==================================================================
    pass                  narrows (from the pass before's partials)     evaluates
    ====================  ==================================================================
    top-k 0               --                                             keys in value space
-   top-k 1               its interval (copied out)                      sixteenfold split
-   top-k 2 .. P          its interval                                   sixteenfold split (copied-out entries)
+   top-k 1 .. P          its interval                                   sixteenfold split
    top-p 0               top-k's last interval: its boundary            keys in value space
-   top-p 1               (target known: p times top-k's kept mass)      sixteenfold split (copied out)
-   top-p 2 .. P          its interval                                   sixteenfold split (copied-out entries)
+   top-p 1               (target known: p times top-k's kept mass)      sixteenfold split
+   top-p 2 .. P          its interval                                   sixteenfold split
    ``_boundary_kernel``  top-p's last interval: its boundary            tokens equal to it
    ====================  ==================================================================
 
@@ -69,9 +64,6 @@ THRESHOLDS = 16
 MAX_CHUNK = 4096
 #: Entries a search program compares with the thresholds at a time ([THRESHOLDS, _SUB] tiles).
 _SUB = 256
-#: Most entries of a row the search's second pass copies out (``compact_capacity``): their keys and
-#: weights, so that the passes after it read those rather than the row.
-COMPACT_CAPACITY = 2048
 
 _T = tl.constexpr(THRESHOLDS)
 #: The smallest top-p target: p * mass may underflow float32 (p is any value in (0, 1], and the GPU
@@ -82,11 +74,10 @@ _MIN_TARGET = tl.constexpr(2.0**-100)
 _LARGEST_GAP_LOG2 = tl.constexpr((THRESHOLDS - 2) * 0.5)
 #: A row's search state, float64 (keys, counts and float32 masses are exact in it): the interval
 #: (lo, hi], the count or mass above hi, the top-k boundary key and how many tokens equal to it
-#: survive top-k, the search's target, how many entries the search's second pass copied out (-1: none,
-#: the row is scanned whole) and the count or mass above them, then the THRESHOLDS keys this pass
-#: evaluates (the next pass reads them back rather than computing them again).
-_LO, _HI, _STAT_HI, _KEY_K, _KEPT_K, _TARGET, _COMPACT, _STAT_COMPACT, _KEYS = (tl.constexpr(i) for i in range(9))
-STATE_FIELDS = 8 + THRESHOLDS
+#: survive top-k, the search's target, then the THRESHOLDS keys this pass evaluates (the next pass
+#: reads them back rather than computing them again).
+_LO, _HI, _STAT_HI, _KEY_K, _KEPT_K, _TARGET, _KEYS = (tl.constexpr(i) for i in range(7))
+STATE_FIELDS = 6 + THRESHOLDS
 _FIELDS = tl.constexpr(STATE_FIELDS)
 
 
@@ -199,8 +190,8 @@ def _advance(state_ptr, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.c
     """The interval after a pass evaluated the keys ``state_ptr`` holds (ascending, the first its lo)
     of its interval (lo, hi]: the part where the statistic above a key (``partial_ptr``, [B, C,
     THRESHOLDS] counts or masses, summed over the row's chunks in a fixed order) first drops below
-    ``target``. Returns (lo, hi, statistic above hi, the index of hi's key among the evaluated ones,
-    whether one was below the target); hi and its statistic stay when no key is below the target."""
+    ``target``. Returns (lo, hi, statistic above hi); hi and its statistic stay when no key is below the
+    target."""
     j = tl.arange(0, _T)
     keys = tl.load(state_ptr + _KEYS + j).to(tl.int64)
     hi = tl.load(state_ptr + _HI).to(tl.int64)
@@ -214,22 +205,7 @@ def _advance(state_ptr, partial_ptr, row, num_chunks, target, CHUNKS_BLOCK: tl.c
     new_hi = tl.where(found, tl.sum(tl.where(j == first, keys, 0), axis=0), hi)
     stat_hi = tl.where(found, tl.sum(tl.where(j == first, above, 0.0), axis=0),
                        tl.load(state_ptr + _STAT_HI).to(tl.float32))
-    return new_lo, new_hi, stat_hi, first, found
-
-
-@triton.jit
-def _interval_counts(counts_ptr, row, num_chunks, chunk, first, found, CHUNKS_BLOCK: tl.constexpr):
-    """How many entries of the row lie in the interval ``_advance`` chose (between the evaluated keys
-    ``first - 1`` and ``first``, or above key ``first - 1`` when none was found), from the pass's per-chunk
-    counts above each key ([B, C, THRESHOLDS]): (in the chunks before ``chunk``, in the whole row)."""
-    j = tl.arange(0, _T)
-    chunks = tl.arange(0, CHUNKS_BLOCK)
-    offsets = (row * num_chunks + chunks[:, None]) * _T + j[None, :]
-    counts = tl.load(counts_ptr + offsets, mask=(chunks < num_chunks)[:, None], other=0)
-    above_lo = tl.sum(tl.where(j[None, :] == first - 1, counts, 0), axis=1)
-    above_hi = tl.where(found, tl.sum(tl.where(j[None, :] == first, counts, 0), axis=1), 0)
-    inside = above_lo - above_hi  # [CHUNKS_BLOCK]
-    return tl.sum(tl.where(chunks < chunk, inside, 0), axis=0), tl.sum(inside, axis=0)
+    return new_lo, new_hi, stat_hi
 
 
 @triton.jit
@@ -256,65 +232,6 @@ def _softmax_stats_kernel(
 
 
 @triton.jit
-def _scan_row(logits_ptr, row, stride_row, chunk, vocab_size, temperature, x_max, key_k, thresholds, lo, hi,
-              compact_keys_ptr, compact_weights_ptr, compact_at, TOP_P: tl.constexpr, STEP: tl.constexpr,
-              KEY16: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, CAPACITY: tl.constexpr):
-    """One chunk of the row against the thresholds ([THRESHOLDS, 1] int32 keys): per threshold, how many
-    entries lie above it and their mass ``exp(x - x_max)`` (top-p), and at top-p's first pass the mass
-    above the top-k boundary ``key_k``. With ``compact_at >= 0`` (a pass's second step) it also copies out
-    the keys (and top-p's weights) of its entries in (lo, hi], by token id, from row slot ``compact_at``.
-    Returns ([THRESHOLDS] int32 counts, [THRESHOLDS] float32 masses, float32 mass above key_k)."""
-    # [THRESHOLDS, SUB] tiles, the thresholds along the first axis: each thread keeps all sixteen
-    # comparisons of its own entries in registers (entries along the first axis would be spread over
-    # lanes and rebroadcast through shared memory every slice).
-    above_count = tl.zeros([_T, SUB], dtype=tl.int32)
-    above_mass = tl.zeros([_T, SUB], dtype=tl.float32)
-    mass_above_k = tl.zeros([SUB], dtype=tl.float32)
-    written = compact_at
-    for start in tl.static_range(0, CHUNK, SUB):  # unrolled: the slices' loads can all be in flight
-        cols = chunk * CHUNK + start + tl.arange(0, SUB)
-        in_vocab = cols < vocab_size
-        x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16, not KEY16)
-        above = key[None, :] > thresholds
-        if (not TOP_P) or (STEP == 0):  # top-p's first pass counts too: the second's copy-out offsets
-            above_count += above.to(tl.int32)
-        if TOP_P:
-            weight = tl.exp(x - x_max)
-            above_mass += tl.where(above, weight[None, :], 0.0)
-            if STEP == 0:
-                mass_above_k += tl.where(key > key_k, weight, 0.0)
-        if STEP == 1:
-            inside = (in_vocab & (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi) & (compact_at >= 0)).to(tl.int32)
-            slot = written + tl.cumsum(inside, axis=0) - inside
-            copy = (inside > 0) & (slot < CAPACITY)  # the counts promise slot < CAPACITY; never written past it
-            tl.store(compact_keys_ptr + row * CAPACITY + slot, key, mask=copy)
-            if TOP_P:
-                tl.store(compact_weights_ptr + row * CAPACITY + slot, weight, mask=copy)
-            written += tl.sum(inside, axis=0)
-    return tl.sum(above_count, axis=1), tl.sum(above_mass, axis=1), tl.sum(mass_above_k, axis=0)
-
-
-@triton.jit
-def _scan_compact(compact_keys_ptr, compact_weights_ptr, row, count, thresholds, TOP_P: tl.constexpr,
-                  SUB: tl.constexpr, CAPACITY: tl.constexpr):  # SUB: COMPACT_SUB
-    """The row's ``count`` copied-out entries against the thresholds: per threshold, how many lie above it
-    and (top-p) their mass, as ``_scan_row``'s first two results."""
-    above_count = tl.zeros([_T, SUB], dtype=tl.int32)
-    above_mass = tl.zeros([_T, SUB], dtype=tl.float32)
-    for start in tl.static_range(0, CAPACITY, SUB):
-        slots = start + tl.arange(0, SUB)
-        present = slots < count
-        key = tl.load(compact_keys_ptr + row * CAPACITY + slots, mask=present, other=-2147483648)
-        above = (key[None, :] > thresholds) & present[None, :]
-        if TOP_P:
-            weight = tl.load(compact_weights_ptr + row * CAPACITY + slots, mask=present, other=0.0)
-            above_mass += tl.where(above, weight[None, :], 0.0)
-        else:
-            above_count += above.to(tl.int32)
-    return tl.sum(above_count, axis=1), tl.sum(above_mass, axis=1)
-
-
-@triton.jit
 def _search_kernel(
     logits_ptr,  # [B, V]
     temperature_ptr,  # [B] float32
@@ -323,29 +240,25 @@ def _search_kernel(
     chunk_max_ptr,  # [B, C] float32
     chunk_mass_ptr,  # [B, C] float32
     state_in_ptr,  # [B, STATE_FIELDS] float64: the interval the pass before evaluated
-    counts_in_ptr,  # [B, C, THRESHOLDS] int32: the pass before's counts above its thresholds
+    counts_in_ptr,  # [B, C, THRESHOLDS] int32: the top-k pass before's counts above its thresholds
     masses_in_ptr,  # [B, C, THRESHOLDS] float32: the top-p pass before's masses above its thresholds
     state_out_ptr,  # [B, STATE_FIELDS] float64: the interval this pass evaluates
-    counts_out_ptr,  # [B, C, THRESHOLDS] int32
+    counts_out_ptr,  # [B, C, THRESHOLDS] int32 (top-k)
     masses_out_ptr,  # [B, C, THRESHOLDS] float32 (top-p)
     mass_above_k_ptr,  # [B, C] float32: per chunk, the mass above the top-k boundary (top-p step 0 writes it)
-    compact_keys_ptr,  # [B, CAPACITY] int32: the entries the search's second pass copies out
-    compact_weights_ptr,  # [B, CAPACITY] float32: their exp(x - x_max) (top-p)
     stride_row,
     vocab_size,
     num_chunks,
     TOP_P: tl.constexpr,  # False: the top-k search (by count); True: the top-p search (by mass)
     STEP: tl.constexpr,  # 0: the search's first pass (thresholds in value space; top-p: after top-k's last
     #                      step); 1: its second (top-p: the target, p times the mass top-k keeps, known
-    #                      from then; copies out the entries of its interval); 2: later passes
+    #                      from then); 2: later passes
     KEY16: tl.constexpr,  # 16-bit logits, keyed by their own bits
     BELOW: tl.constexpr,  # a key below every value's
     TOP: tl.constexpr,  # the largest key
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
-    CAPACITY: tl.constexpr,  # most entries a row copies out (0: never)
-    COMPACT_SUB: tl.constexpr,  # copied-out entries compared at a time (a power of two)
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -363,17 +276,14 @@ def _search_kernel(
     key_k = tl.load(state_in + _KEY_K).to(tl.int64)
     kept_k = tl.load(state_in + _KEPT_K).to(tl.float32)
     target = tl.load(state_in + _TARGET).to(tl.float32)
-    compact = tl.load(state_in + _COMPACT).to(tl.int32)  # entries copied out, -1: none
-    stat_compact = tl.load(state_in + _STAT_COMPACT).to(tl.float32)
-    compact_at = tl.full((), -1, tl.int32)  # where this program's copied-out entries start (STEP 1)
     if STEP == 0:
         if TOP_P:
             # The top-k boundary is the k-th largest value; of the tokens equal to it, the first k - (count
             # above) survive. Top-p then searches (key below the boundary, largest key]: above lo lies
             # everything top-k keeps, above the largest key nothing.
             if k_on & (hi - lo > 1):
-                _lo_k, key_k, stat_hi, _first, _found = _advance(state_in, counts_in_ptr, row, num_chunks,
-                                                                 k.to(tl.float32), CHUNKS_BLOCK)
+                _lo_k, key_k, stat_hi = _advance(state_in, counts_in_ptr, row, num_chunks, k.to(tl.float32),
+                                                 CHUNKS_BLOCK)
             else:
                 key_k = hi
             kept_k = tl.where(k_on, k.to(tl.float32) - stat_hi, 0.0)
@@ -387,7 +297,6 @@ def _search_kernel(
             target = k.to(tl.float32)
         hi = tl.full((), TOP, tl.int64)
         stat_hi = tl.zeros((), tl.float32)  # nothing lies above the largest key
-        compact = tl.full((), -1, tl.int32)
         keys = _value_thresholds(lo, hi, x_max, temperature, dtype, KEY16)
     else:
         if TOP_P:
@@ -399,20 +308,9 @@ def _search_kernel(
         # Rows that skip this search, or whose interval is down to one key, keep their state.
         if searching & (hi - lo > 1):
             if TOP_P:
-                lo, hi, stat_hi, first, found = _advance(state_in, masses_in_ptr, row, num_chunks, target,
-                                                         CHUNKS_BLOCK)
+                lo, hi, stat_hi = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
             else:
-                lo, hi, stat_hi, first, found = _advance(state_in, counts_in_ptr, row, num_chunks, target,
-                                                         CHUNKS_BLOCK)
-            if STEP == 1:
-                # The pass before counted, per chunk, the entries above each of its keys: those of the
-                # interval just chosen are copied out now if they fit, each chunk's from its offset.
-                before, inside = _interval_counts(counts_in_ptr, row, num_chunks, chunk, first, found,
-                                                  CHUNKS_BLOCK)
-                fits = inside <= CAPACITY
-                compact = tl.where(fits, inside, -1)
-                compact_at = tl.where(fits, before, -1)
-                stat_compact = stat_hi
+                lo, hi, stat_hi = _advance(state_in, counts_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
         keys = _key_thresholds(lo, hi)
     if chunk == 0:
         state_out = state_out_ptr + row * _FIELDS
@@ -422,35 +320,34 @@ def _search_kernel(
         tl.store(state_out + _KEY_K, key_k.to(tl.float64))
         tl.store(state_out + _KEPT_K, kept_k.to(tl.float64))
         tl.store(state_out + _TARGET, target.to(tl.float64))
-        tl.store(state_out + _COMPACT, compact.to(tl.float64))
-        tl.store(state_out + _STAT_COMPACT, stat_compact.to(tl.float64))
         tl.store(state_out + _KEYS + tl.arange(0, _T), keys.to(tl.float64))
     if searching & (hi - lo > 1):
+        # [THRESHOLDS, SUB] tiles, the thresholds along the first axis: each thread keeps all sixteen
+        # comparisons of its own entries in registers (entries along the first axis would be spread
+        # over lanes and rebroadcast through shared memory every slice).
         thresholds = keys.to(tl.int32)[:, None]
-        offsets = (row * num_chunks + chunk) * _T + tl.arange(0, _T)
-        scan_compact = compact >= 0
-        if STEP < 2:
-            scan_compact = False  # the first pass scans the row, and so does the second, copying out
-        if scan_compact:
-            # Entries above the copied-out ones add their count or mass to every key of the interval,
-            # which lies within theirs: chunk 0 reports the row's figures, the others nothing.
-            if chunk == 0:
-                counts, masses = _scan_compact(compact_keys_ptr, compact_weights_ptr, row, compact, thresholds,
-                                               TOP_P, COMPACT_SUB, CAPACITY)
-                counts += stat_compact.to(tl.int32)
-                masses += stat_compact
+        above_count = tl.zeros([_T, SUB], dtype=tl.int32)
+        above_mass = tl.zeros([_T, SUB], dtype=tl.float32)
+        mass_above_k = tl.zeros([SUB], dtype=tl.float32)
+        for start in tl.static_range(0, CHUNK, SUB):  # unrolled: the slices' loads can all be in flight
+            cols = chunk * CHUNK + start + tl.arange(0, SUB)
+            in_vocab = cols < vocab_size
+            x, key = _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16, not KEY16)
+            above = key[None, :] > thresholds
+            if TOP_P:
+                weight = tl.exp(x - x_max)
+                above_mass += tl.where(above, weight[None, :], 0.0)
+                if STEP == 0:
+                    mass_above_k += tl.where(key > key_k, weight, 0.0)
             else:
-                counts = tl.zeros([_T], dtype=tl.int32)
-                masses = tl.zeros([_T], dtype=tl.float32)
-        else:
-            counts, masses, mass_above_k = _scan_row(
-                logits_ptr, row, stride_row, chunk, vocab_size, temperature, x_max, key_k, thresholds, lo, hi,
-                compact_keys_ptr, compact_weights_ptr, compact_at, TOP_P, STEP, KEY16, CHUNK, SUB, CAPACITY)
-            if TOP_P & (STEP == 0):
-                tl.store(mass_above_k_ptr + row * num_chunks + chunk, mass_above_k)
-        tl.store(counts_out_ptr + offsets, counts)
+                above_count += above.to(tl.int32)
+        offsets = (row * num_chunks + chunk) * _T + tl.arange(0, _T)
         if TOP_P:
-            tl.store(masses_out_ptr + offsets, masses)
+            tl.store(masses_out_ptr + offsets, tl.sum(above_mass, axis=1))
+            if STEP == 0:
+                tl.store(mass_above_k_ptr + row * num_chunks + chunk, tl.sum(mass_above_k, axis=0))
+        else:
+            tl.store(counts_out_ptr + offsets, tl.sum(above_count, axis=1))
 
 
 @triton.jit
@@ -480,8 +377,7 @@ def _boundary_kernel(
     mass_above_p = tl.load(state_in + _STAT_HI).to(tl.float32)
     lo = tl.load(state_in + _LO).to(tl.int64)
     if p_on & (key_p - lo > 1):  # the last pass's interval, narrowed to its one key
-        _lo_p, key_p, mass_above_p, _first, _found = _advance(state_in, masses_in_ptr, row, num_chunks, target,
-                                                              CHUNKS_BLOCK)
+        _lo_p, key_p, mass_above_p = _advance(state_in, masses_in_ptr, row, num_chunks, target, CHUNKS_BLOCK)
     key_k = tl.load(state_in + _KEY_K).to(tl.int64)
     # Rows without filters keep every token: no key is below BELOW, none equal to it.
     boundary = tl.where(p_on, key_p, tl.where(k_on, key_k, BELOW))
@@ -553,20 +449,16 @@ def _filtered_race_kernel(
 
 
 def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None,
-                       max_chunk: int = MAX_CHUNK, compact_capacity: int = COMPACT_CAPACITY) -> torch.Tensor:
+                       max_chunk: int = MAX_CHUNK) -> torch.Tensor:
     """One token per row with ``graphrt.sampler.sample``'s filtering convention, without sorting: greedy
     rows take the argmax, rows with top-k / top-p race their kept tokens, the others the whole row.
 
     logits: [B, V] float16 / bfloat16 / float32 (columns contiguous; finite or -inf, at least one finite
     value a row); sampling: B rows on the same device; out: [B] int64 (allocated when not given).
     ``max_chunk``: the most columns a program handles (a power of two; small values exercise the chunking
-    in tests). ``compact_capacity``: the most entries of a row the search copies out after its second
-    pass, to be read by the passes after it instead of the row (0: never; rows with more are scanned
-    whole). Allocates its scratch (a few [B, ceil(V / chunk), 16] buffers and [B, compact_capacity]
-    ones); capturable: the launches depend on B, V and the dtype only.
+    in tests). Allocates its scratch (a few [B, ceil(V / chunk), 16] buffers); capturable: the launches
+    depend on B, V and the dtype only.
     """
-    if compact_capacity < 0:
-        raise ValueError(f"compact_capacity must be at least 0, got {compact_capacity}")
     if logits.dim() == 2 and sampling.batch_size != logits.shape[0]:  # other shapes: two_pass_argmax says
         raise ValueError(f"logits have {logits.shape[0]} rows, sampling tensors {sampling.batch_size}")
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -588,8 +480,6 @@ def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: tor
         masses = torch.zeros(2, batch, num_chunks, THRESHOLDS, dtype=torch.float32, device=device)
         states = torch.zeros(2 * passes + 2, batch, STATE_FIELDS, dtype=torch.float64, device=device)
         ties = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
-        compact_keys = torch.empty(batch, max(compact_capacity, 1), dtype=torch.int32, device=device)
-        compact_weights = torch.empty(batch, max(compact_capacity, 1), dtype=torch.float32, device=device)
         filters = (sampling.temperature, sampling.top_k, sampling.top_p)
         shape = (logits.stride(0), vocab, num_chunks)
         _softmax_stats_kernel[grid](logits, sampling.temperature, chunk_max, chunk_mass, *shape, CHUNK=chunk,
@@ -597,10 +487,9 @@ def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: tor
         for n in range(2 * passes):  # pass n reads states[n], writes states[n + 1]
             _search_kernel[grid](
                 logits, *filters, chunk_max, chunk_mass, states[n], counts[(n + 1) % 2], masses[(n + 1) % 2],
-                states[n + 1], counts[n % 2], masses[n % 2], mass_above_k, compact_keys, compact_weights, *shape,
-                TOP_P=n >= passes, STEP=min(n % passes, 2), KEY16=key16, BELOW=below, TOP=top, CHUNK=chunk,
-                SUB=min(_SUB, chunk), CHUNKS_BLOCK=chunks_block, CAPACITY=compact_capacity,
-                COMPACT_SUB=min(_SUB, triton.next_power_of_2(max(compact_capacity, 1))), num_warps=8,
+                states[n + 1], counts[n % 2], masses[n % 2], mass_above_k, *shape, TOP_P=n >= passes,
+                STEP=min(n % passes, 2), KEY16=key16, BELOW=below, TOP=top, CHUNK=chunk,
+                SUB=min(_SUB, chunk), CHUNKS_BLOCK=chunks_block, num_warps=8,
             )
         last, boundary = states[2 * passes], states[2 * passes + 1]
         _boundary_kernel[grid](logits, *filters, last, masses[(2 * passes - 1) % 2], boundary, ties, *shape,
