@@ -197,8 +197,8 @@ def _decode_split_kernel(
     block_tables_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32
     alibi_ptr,  # [H] float32 (unused without ALiBi)
-    out_ptr,  # [B, H, D] (written when num_splits == 1)
-    m_ptr,  # [max_batch, H, max_splits] float32 (written when num_splits > 1)
+    out_ptr,  # [B, H, D] (written by a lone live split, or by the merge)
+    m_ptr,  # [max_batch, H, max_splits] float32 (written by live splits when more than one)
     l_ptr,  # same
     acc_ptr,  # [max_batch, H, max_splits, D] float32
     arrivals_ptr,  # [max_batch, H] int32, zero on entry (used when num_splits > 1)
@@ -313,7 +313,8 @@ def _decode_split_kernel(
         # Splits whose slice starts past the live range (a graph captured for a long context running a
         # short sequence: most of them) have nothing to add and neither store nor count in; the live
         # ones merge among themselves, and a lone live split writes out directly.
-        live_splits = tl.cdiv(seq_len - first_key, slice_len)
+        # (A length of 0 breaks the contract; the maximum keeps it from dividing by zero.)
+        live_splits = tl.cdiv(seq_len - first_key, tl.maximum(slice_len, 1))
         if live_splits == 1:
             if split == 0:
                 tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -369,7 +370,8 @@ def _merge_splits(
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
     stat = head_stat[:, None] + splits[None, :]  # [GROUP_MERGE, SPLITS_PAD]
-    # Empty splits (short sequences) left max = -inf, sum = 0 and a zero output: they get weight 0.
+    # Only live splits are merged (each holds keys); the -inf guard keeps masked lanes (padded heads and
+    # splits) at weight 0.
     m = tl.load(m_ptr + stat, mask=stat_ok, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(l_ptr + stat, mask=stat_ok, other=0.0, cache_modifier=".cg")
     if SPLITS_CHUNK >= SPLITS_PAD:

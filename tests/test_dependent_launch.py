@@ -37,6 +37,8 @@ def _cases(pdl: bool) -> list[dict]:
 
     gemv = gemv_case("gemv-norm-silu", "bf16", "norm_silu", general_config(2048, silu_mul=True), pdl)
     gemv_unnormed = gemv_case("gemv-silu", "bf16", "silu", general_config(2048, silu_mul=True), pdl)
+    gemv_plain, gemv_add, gemv_bias = (gemv_case(f"gemv-{variant}", "bf16", variant, general_config(2048), pdl)
+                                       for variant in ("plain", "add", "bias"))
     rope = _case("rope-cache-write", "graphrt.attention.triton_rope_cache_write", "_rope_cache_write_kernel",
                  {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_qkv_row": "i32", "stride_table_row": "i32",
@@ -61,7 +63,7 @@ def _cases(pdl: bool) -> list[dict]:
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
-    return [gemv, gemv_unnormed, rope, split, qkv_rope]
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -82,6 +84,10 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     # The first weight slice (gate and up), requested early, and with the norm its weight's first slice.
     unnormed = loads_first.pop("gemv-silu")
     assert loads_first.pop("gemv-norm-silu") > unnormed > 0
+    # The residual addend is written by the step's kernels: read after the wait, like x; a bias is static.
+    plain = loads_first.pop("gemv-plain")
+    assert loads_first.pop("gemv-add") == plain > 0
+    assert loads_first.pop("gemv-bias") > plain
     # Its first weight slice (both halves of its channels), the position, rotary rows and slot.
     assert loads_first.pop("qkv-rope-cache") > 0
     assert set(loads_first.values()) == {0}, loads_first

@@ -116,6 +116,15 @@ def test_linear_gemv_slices_match_reference(variant, rows, out_features, in_feat
     check(variant, rows, out_features, in_features, torch.float32, seed=7 * rows + in_features, config=config)
 
 
+@pytest.mark.parametrize("variant", ["norm", "norm_silu"])
+def test_norm_rows_longer_than_one_load(variant, monkeypatch):
+    """Rows longer than the sum of squares loads at once (the cap lowered to 16 elements): its loop runs
+    several times, the last load partial."""
+    monkeypatch.setattr(gemv, "_MAX_NORM_BLOCK", 16)
+    assert gemv.norm_block(100) == 16
+    check(variant, 2, 40, 100, torch.float32, seed=31, config=gemv.TileConfig(8, 32, 4))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -50,6 +50,7 @@ class Case:
     window: int | None = None
     num_splits: int | None = None  # None: the host heuristic
     max_seq_len: int | None = None  # captured maximum; None: max(seq_lens)
+    block_n: int | None = None  # K/V tile length; None: the default (16: several live splits at short lengths)
 
 
 def _alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -109,6 +110,7 @@ def run_kernel(case: Case, inputs, out=None, workspace=None) -> torch.Tensor:
         case.max_seq_len or max(case.seq_lens), case.head_size ** -0.5, case.num_kv_heads, case.block_size,
         workspace=workspace, alibi_slopes=inputs["alibi_slopes"], sliding_window=case.window,
         k_scale=inputs["k_scale"], v_scale=inputs["v_scale"], num_splits=case.num_splits,
+        config=None if case.block_n is None else tpd.DecodeConfig(block_n=case.block_n, num_warps=4, num_stages=3),
     )
 
 
@@ -135,6 +137,9 @@ CPU_CASES = {
     "fp8-bf16-d128": Case(2, 4, 2, 128, 16, [50, 70], cache_dtype=FP8, num_splits=2),
     "fp8-fp16-d64-alibi-window": Case(2, 8, 2, 64, 16, [40, 9], torch.float16, FP8, alibi=True, window=24),
     "bf16-d256-alibi-window-1split": Case(1, 2, 1, 256, 16, [40], alibi=True, window=17, num_splits=1),
+    # 16-token tiles: the window's 40 keys make 3 live splits of 4, the short row 1.
+    "fp16-gqa2-d64-window-merge": Case(2, 4, 2, 64, 16, [100, 12], torch.float16, window=40, num_splits=4,
+                                       block_n=16),
 }
 
 
@@ -156,7 +161,8 @@ def test_fp8_products_in_fp16():
 
 
 def test_split_count_does_not_change_the_result():
-    case = Case(2, 4, 2, 64, 16, [70, 45], torch.float32)
+    """16-token tiles, so that 2 and 5 splits all hold keys (70 and 45 tokens) and merge."""
+    case = Case(2, 4, 2, 64, 16, [70, 45], torch.float32, block_n=16)
     inputs = make_inputs(case, seed=3)
     results = []
     for splits in (1, 2, 5):
@@ -215,16 +221,19 @@ def test_splits_past_the_live_length_stay_out(seq_lens, splits):
 
 def test_last_split_merges_and_leaves_the_workspace_ready():
     """The split that arrives last merges its group's partials (in chunks of splits when the group's
-    partials exceed one load: 8 heads x 256 channels take 4 splits at a time, 6 splits here), and every
-    arrival counter is back at zero afterwards, so a second launch on the same workspace is right too."""
-    case = Case(2, 8, 1, 256, 16, [50, 9], num_splits=6)
+    partials exceed one load: 8 heads x 256 channels take 4 splits at a time, 6 live splits in the first
+    row here, one in the second), and every arrival counter is back at zero afterwards, so a second
+    launch on the same workspace is right too."""
+    case = Case(2, 8, 1, 256, 16, [90, 9], num_splits=6, block_n=16)
     workspace = tpd.DecodeWorkspace.allocate(2, 8, 256, max_splits=8, device=DEVICE)
     workspace.partial_out.fill_(float("nan"))  # stale partials must never be read
     for seed in (21, 22):
+        workspace.max_logits.fill_(float("nan"))
         inputs = make_inputs(case, seed)
         out = run_kernel(case, inputs, workspace=workspace)
         assert relative_error(out, reference(case, inputs)) < TOLERANCE[case.dtype]
         assert not workspace.arrivals.any(), workspace.arrivals
+        assert not workspace.max_logits[0, :, :6].isnan().any()  # the first row merged six partials
 
 
 def test_workspace_is_required_in_size():

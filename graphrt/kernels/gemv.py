@@ -106,7 +106,7 @@ def row_products(
     PAIRED: tl.constexpr,
     ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,  # with NORM: a power of two >= K, the row's elements one load takes
+    NORM_BLOCK: tl.constexpr,  # with NORM: the row's elements one load takes (norm_block: a power of two)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     dtype: tl.constexpr,
 ):
