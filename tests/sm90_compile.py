@@ -38,20 +38,19 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048,
-              prefetch: bool = False) -> dict:
+def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048) -> dict:
     """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
     "norm", "norm_silu", "silu" or "add" (as tests/test_gemv.py names them); ``config`` a
     ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``)."""
     from graphrt.kernels import gemv
 
     pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
-    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K", "prefetch_bytes")}
+    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "silu": gemv.EPILOGUE_SILU_MUL,
                 "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
-                      PDL=pdl, PREFETCH=prefetch, NUM_THREADS=32 * config.num_warps)
+                      PDL=pdl)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched
@@ -85,8 +84,7 @@ def _compile(case: dict) -> dict:
     wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
             "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
-            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global"),
-            "prefetches_before_wait": None if wait < 0 else ptx[:wait].count("cp.async.bulk.prefetch.L2")}
+            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global")}
 
 
 if __name__ == "__main__":

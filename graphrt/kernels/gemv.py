@@ -66,10 +66,6 @@ def beats_cublas(layer_weight_bytes: int, dependent_launch: bool) -> bool:
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
-#: L2 bytes the batch-1 layer's O, gate/up and down kernels ask for before their dependency wait
-#: (``linear_gemv``'s ``l2_prefetch_bytes``; 0: none). Experiment: see profiles/notes_fusion.md.
-L2_PREFETCH_BUDGETS = {"o": 0, "gate_up": 0, "down": 0}
-
 #: Rows sit on the launch grid's second axis, which CUDA caps at 65535.
 _MAX_GRID_ROWS = 65535
 
@@ -188,22 +184,6 @@ def row_products(
     return products, paired_products, addend
 
 
-@triton.jit
-def prefetch_to_l2(start_ptr, span_bytes, NUM_THREADS: tl.constexpr):
-    """Asks L2 for the ``span_bytes`` bytes at ``start_ptr`` (both 16-byte multiples; nothing when
-    ``span_bytes`` <= 0) without waiting for them: one bulk prefetch (sm_90's
-    ``cp.async.bulk.prefetch.L2``) per thread, ``NUM_THREADS`` the program's threads. Reads nothing
-    into registers, so a program launched as a programmatic dependent can start its weights' way
-    from HBM before its wait at no register cost; GPU only (the CPU interpreter runs no PTX)."""
-    chunk = tl.cdiv(span_bytes, NUM_THREADS * 16) * 16
-    starts = tl.arange(0, NUM_THREADS) * chunk
-    sizes = tl.minimum(tl.maximum(span_bytes - starts, 0), chunk).to(tl.int32)
-    addresses = start_ptr.to(tl.pointer_type(tl.int8)) + starts
-    tl.inline_asm_elementwise(
-        "{ .reg .pred live; setp.gt.s32 live, $2, 0; @live cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [addresses, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 #: Most row elements the norm's sum of squares loads at once (``norm_block``): 32 float32 registers
 #: a thread at 8 warps, 64 at 4.
 _MAX_NORM_BLOCK = 8192
@@ -227,7 +207,6 @@ def _gemv_kernel(
     eps,
     N,
     K,
-    prefetch_bytes,  # with PREFETCH: bytes of its rows (of each half with SILU_MUL) a program asks L2 for first
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -235,21 +214,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
-    PREFETCH: tl.constexpr,  # ask L2 for prefetch_bytes of the program's weight rows before the wait (needs PDL)
-    NUM_THREADS: tl.constexpr,  # 32 * num_warps (PREFETCH's one bulk request a thread)
 ):
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
-    first_n = tl.program_id(0) * BLOCK_N
-    if PREFETCH:
-        # The program's weight rows are one contiguous span (two with SILU_MUL); the last program's
-        # is cut at N. Static data, asked for before row_products waits for the previous kernel.
-        row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        span = tl.minimum(prefetch_bytes, tl.minimum(BLOCK_N, N - first_n) * row_bytes)
-        prefetch_to_l2(w_ptr + first_n.to(tl.int64) * stride_w, span, NUM_THREADS)
-        if EPILOGUE == 2:
-            prefetch_to_l2(w_ptr + (first_n + N).to(tl.int64) * stride_w, span, NUM_THREADS)
-    cols_n = first_n + tl.arange(0, BLOCK_N)
+    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
     out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
     if HAS_BIAS:  # static: read before row_products waits
@@ -387,7 +355,6 @@ def linear_gemv(
     out: torch.Tensor | None = None,
     config: TileConfig | None = None,
     dependent_launch: bool = False,
-    l2_prefetch_bytes: int = 0,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for a row or a few, optionally with RMSNorm before and SiLU * up or
     a residual add after, in one kernel.
@@ -405,34 +372,16 @@ def linear_gemv(
     allocated when ``out`` is given, and the launch depends on shapes only: safe inside a CUDA graph.
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
-    ``l2_prefetch_bytes``: with ``dependent_launch``, the programs ask L2 for up to this many bytes of the
-    weight in all before their wait (``prefetch_bytes_per_program``), so a kernel that follows a
-    latency-bound one (attention) streams part of its weight while that one runs.
     """
     rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out)
     if rows == 0:
         return out
     config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
-    programs = triton.cdiv(out_features, config.block_n)
-    spans = 2 if epilogue == EPILOGUE_SILU_MUL else 1
-    prefetch = prefetch_bytes_per_program(weight, config.block_n, programs * spans, l2_prefetch_bytes) \
-        if dependent_launch else 0
-    _gemv_kernel[(programs, rows)](
+    _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
-        x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features, prefetch,
+        x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block(in_features),
-        PREFETCH=prefetch > 0, NUM_THREADS=32 * config.num_warps,
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out
-
-
-def prefetch_bytes_per_program(weight: torch.Tensor, block_n: int, spans: int, budget_bytes: int) -> int:
-    """Bytes of its ``block_n`` weight rows each of ``spans`` row spans (programs x halves) asks L2 for
-    before its wait, ``budget_bytes`` shared among them: a multiple of 16, at most a span's bytes; 0
-    (no prefetch) when the rows' addresses are not 16-byte multiples, as bulk prefetches need."""
-    row_bytes = weight.shape[1] * weight.element_size()
-    if budget_bytes <= 0 or row_bytes % 16 or weight.data_ptr() % 16:
-        return 0
-    return min(block_n * row_bytes, budget_bytes // max(spans, 1)) // 16 * 16

@@ -162,18 +162,15 @@ class LlamaDecoderLayer(nn.Module):
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
-        prefetch = kernels.L2_PREFETCH_BUDGETS
         attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
         kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
-                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, l2_prefetch_bytes=prefetch["o"],
-                            **launch)
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         activated = kernels.linear_gemv(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
-            l2_prefetch_bytes=prefetch["gate_up"], **launch,
+            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
         )
         kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
-                            l2_prefetch_bytes=prefetch["down"], **launch)
+                            **launch)
         return None, residual
 
 
