@@ -26,6 +26,13 @@ Per step (means over the recorded steps), all times in microseconds:
   ``graph_idle_us_per_step`` (span - busy) and ``graph_gap_mean_us`` (between consecutive nodes).
 - ``top_kernels``: ``name``, ``short_name``, ``count_per_step``, ``us_per_step``, ``mean_us``,
   ``share_of_step`` (of the wall time), ``share_of_kernel_time``.
+- ``exposed_kernels``: what each kernel adds to the step. A kernel's *exposed* time runs from the end
+  of the GPU activity that ended before it (or from its own start, after a gap) to its own end. With
+  programmatic dependent launches a kernel starts while the one before runs and waits on the device,
+  so durations overlap and include the waits; exposed times do not overlap, and with the gaps they add
+  up to the GPU's busy span. Per (kernel, launch grid), so one kernel's launches for different
+  matrices stay apart: ``short_name``, ``grid``, ``count_per_step``, ``exposed_us_per_step``,
+  ``mean_exposed_us``, ``mean_us`` (duration), ``share_of_step``.
 - ``top_cpu_ops``: host operators and runtime calls by self time: ``name``, ``count_per_step``,
   ``self_us_per_step``, ``total_us_per_step``, ``share_of_step``; ``host_outside_ops_us_per_step``:
   step time on the step's thread outside any recorded operator or runtime call (Python).
@@ -202,8 +209,8 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
         graph_launches += is_graph
         launches[corr] = (step, is_graph)
 
-    # (start, end, category, name, ran as a graph node) of each GPU activity, per step
-    per_step: list[list[tuple[float, float, str, str, bool]]] = [[] for _ in range(n)]
+    # (start, end, category, name, ran as a graph node, launch grid) of each GPU activity, per step
+    per_step: list[list[tuple[float, float, str, str, bool, tuple | None]]] = [[] for _ in range(n)]
     graph_kernels = 0
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in GPU_CATEGORIES:
@@ -215,7 +222,9 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
             continue
         in_graph = _from_graph(e, found)
         graph_kernels += in_graph and e["cat"] == "kernel"
-        per_step[step].append((start, start + float(e.get("dur", 0.0)), e["cat"], e.get("name", "?"), in_graph))
+        grid = (e.get("args") or {}).get("grid")
+        per_step[step].append((start, start + float(e.get("dur", 0.0)), e["cat"], e.get("name", "?"), in_graph,
+                               tuple(grid) if isinstance(grid, list) else None))
 
     # Host work inside each step, on the step's thread: operators, runtime calls, the profiler's own.
     host: list[list[tuple[float, float]]] = [[] for _ in range(n)]
@@ -235,16 +244,18 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
         "host_outside_ops_us_per_step": _mean(w - _union_length(h) for w, h in zip(wall, host)),
     }
     if not any(per_step):
-        result.update({key: None for key in GPU_KEYS}, top_kernels=[])
+        result.update({key: None for key in GPU_KEYS}, top_kernels=[], exposed_kernels=[])
         return result
 
     kernel_count = kernel_time = memcpy = memset = copy_time = 0.0
     busy, before, between, after, gaps = [], [], [], [], []
     graph_start, graph_span, graph_idle, graph_gaps = [], [], [], []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    exposed: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # (name, grid) -> count, exposed, time
     for (w_start, w_end), activities in zip(windows, per_step):
         activities.sort()
-        for start, end, cat, name, _ in activities:
+        _add_exposed(activities, exposed)
+        for start, end, cat, name, *_ in activities:
             if cat == "kernel":
                 kernel_count += 1
                 kernel_time += end - start
@@ -254,7 +265,7 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
                 memcpy += cat == "gpu_memcpy"
                 memset += cat == "gpu_memset"
                 copy_time += end - start
-        graph = [(s, e) for s, e, _, _, in_graph in activities if in_graph]
+        graph = [(s, e) for s, e, _, _, in_graph, _ in activities if in_graph]
         if graph:  # the replay alone: from its first node's start to its last node's end
             graph_start.append(graph[0][0] - w_start)
             graph_span.append(max(e for _, e in graph) - graph[0][0])
@@ -312,8 +323,34 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
         graph_idle_us_per_step=_mean(graph_idle) if graph_idle else None,
         graph_gap_mean_us=_mean(graph_gaps) if graph_span else None,
         top_kernels=top_kernels,
+        exposed_kernels=[
+            {
+                "short_name": short_kernel_name(name),
+                "grid": list(grid) if grid else None,
+                "count_per_step": count / n,
+                "exposed_us_per_step": exposed_total / n,
+                "mean_exposed_us": exposed_total / count,
+                "mean_us": duration / count,
+                "share_of_step": exposed_total / n / step_wall if step_wall else None,
+            }
+            for (name, grid), (count, exposed_total, duration) in sorted(exposed.items(), key=lambda item: -item[1][1])[:top]
+        ],
     )
     return result
+
+
+def _add_exposed(activities: list[tuple], exposed: dict[tuple, list[float]]) -> None:
+    """Adds each kernel of one step's ``activities`` (start, end, category, name, in graph, grid) to
+    ``exposed[(name, grid)]`` = [count, exposed us, duration us]: in the order the activities end, the
+    part of each that lies past the end of the one before (``analyze_trace``'s ``exposed_kernels``)."""
+    previous_end = None
+    for start, end, cat, name, _, grid in sorted(activities, key=lambda activity: activity[1]):
+        if cat == "kernel":
+            entry = exposed[(name, grid)]
+            entry[0] += 1
+            entry[1] += end - (start if previous_end is None else max(start, previous_end))
+            entry[2] += end - start
+        previous_end = end
 
 
 def cpu_op_breakdown(profiler, num_steps: int, step_wall_us: float, top: int = 15,
@@ -544,6 +581,14 @@ def format_breakdown(r: dict) -> str:
         for k in r["top_kernels"]:
             lines.append(f"  {k['short_name']:<64} {k['count_per_step']:>7.1f} {k['us_per_step']:>9.1f} "
                          f"{k['mean_us']:>8.2f} {100 * (k['share_of_step'] or 0):>6.1f}%")
+        if r.get("exposed_kernels"):
+            lines += ["", f"{'exposed: time past the activity that ended before (kernel, grid)':<66} {'n/step':>7} "
+                          f"{'us/step':>9} {'mean us':>8} {'% step':>7}"]
+            for k in r["exposed_kernels"]:
+                grid = "x".join(str(g) for g in k["grid"]) if k["grid"] else "-"
+                label = f"{k['short_name'][:64 - len(grid) - 3]} [{grid}]"
+                lines.append(f"  {label:<64} {k['count_per_step']:>7.1f} {k['exposed_us_per_step']:>9.1f} "
+                             f"{k['mean_exposed_us']:>8.2f} {100 * (k['share_of_step'] or 0):>6.1f}%")
     lines += ["", f"{'top host ops (self time)':<66} {'n/step':>7} {'us/step':>9} {'':>8} {'% step':>7}"]
     for op in r["top_cpu_ops"]:
         lines.append(f"  {op['name'][:64]:<64} {op['count_per_step']:>7.1f} {op['self_us_per_step']:>9.1f} "

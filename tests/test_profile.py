@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BREAKDOWN_KEYS = {
     "model", "device", "dtype", "torch", "batch_size", "context", "steps", "warmup_steps", "mode", "fused_kernels",
     "dependent_launch",
-    "eager_reason", "decode_stats", "trace", "step_wall_us", "step_wall_us_unprofiled", *GPU_KEYS,
+    "eager_reason", "decode_stats", "trace", "step_wall_us", "step_wall_us_unprofiled", *GPU_KEYS, "exposed_kernels",
     "top_kernels", "top_cpu_ops", "host_outside_ops_us_per_step", "notes",
 }
 
@@ -107,6 +107,35 @@ def test_gpu_breakdown_of_a_synthetic_trace():
     assert (first["short_name"], first["count_per_step"], first["us_per_step"]) == ("kernel_a", 2, 30)
     assert first["mean_us"] == 15 and first["share_of_step"] == 0.3 and first["share_of_kernel_time"] == 0.6
     assert second["name"] == "kernel_b"
+
+
+def test_exposed_times_of_overlapping_kernels_add_up_to_the_busy_span():
+    """Dependent launches: each kernel starts inside the one before and waits, so durations overlap.
+    Exposed times (past the previous end) do not, and launches of one kernel on other grids stay apart."""
+    def kernel(name, ts, dur, grid):
+        event = _x("kernel", name, ts, dur, 1)
+        event["args"]["grid"] = grid
+        return event
+
+    events = [
+        _x("user_annotation", STEP_ANNOTATION, 0, 100),
+        _x("cuda_runtime", "cudaGraphLaunch", 1, 2, 1),
+        kernel("gemv", 10, 20, [512, 1, 1]),  # 10-30: all of it exposed
+        kernel("attention", 12, 26, [8, 4, 1]),  # 12-38, waited for gemv: 8 us past its end
+        kernel("gemv", 20, 23, [1024, 1, 1]),  # 20-43: 5 us past attention's
+        kernel("gemv", 50, 4, [512, 1, 1]),  # after a 7 us gap: its own 4 us
+    ]
+    r = analyze_trace(events)
+    exposed = {(k["short_name"], tuple(k["grid"])): k for k in r["exposed_kernels"]}
+    assert set(exposed) == {("gemv", (512, 1, 1)), ("attention", (8, 4, 1)), ("gemv", (1024, 1, 1))}
+    first = exposed[("gemv", (512, 1, 1))]
+    assert (first["count_per_step"], first["exposed_us_per_step"], first["mean_exposed_us"], first["mean_us"]) == (2, 24, 12, 12)
+    assert exposed[("attention", (8, 4, 1))]["exposed_us_per_step"] == 8
+    assert exposed[("gemv", (1024, 1, 1))]["exposed_us_per_step"] == 5
+    assert r["exposed_kernels"][0]["short_name"] == "gemv" and r["exposed_kernels"][0]["share_of_step"] == 0.24
+    busy_span = 54 - 10
+    assert sum(k["exposed_us_per_step"] for k in r["exposed_kernels"]) + 7 == busy_span
+    assert r["kernel_us_per_step"] == 73  # durations overlap: more than the span
 
 
 def test_graph_launch_without_kernels_is_reported_hidden():
@@ -234,3 +263,4 @@ def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
     assert re.search(r"graph replay +60\.0 us +first node 10\.0 us into the step; idle inside 10\.0 us", text)
     assert "between 25.0 us" in text and "mean 8.3 us" in text
     assert "kernel_a" in text and "cudaGraphLaunch" in text and "note: a note" in text
+    assert re.search(r"exposed: time past [^\n]*\n  kernel_a \[-\] +2\.0 +30\.0 +15\.00 +30\.0%\n  kernel_b \[-\]", text)
