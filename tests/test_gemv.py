@@ -131,8 +131,9 @@ def test_norm_rows_longer_than_one_load(variant, monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("out_features,in_features", [
-    (3072, 2048), (2048, 8192), (16384, 2048),  # Llama-3.2-1B QKV, down, gate/up
-    (6144, 4096), (960, 576), (3072, 576), (1000, 1100),  # Llama-3-8B QKV, SmolLM2 QKV, gate/up; odd sizes
+    (3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048),  # Llama-3.2-1B QKV, O, down, gate/up
+    (6144, 4096), (4096, 4096), (4096, 14336),  # Llama-3-8B QKV, O, down
+    (960, 576), (3072, 576), (1000, 1100),  # SmolLM2 QKV, gate/up; odd sizes
 ])
 def test_linear_gemv_grid_gpu(variant, rows, out_features, in_features, dtype):
     check(variant, rows, out_features, in_features, dtype, seed=rows * out_features + in_features)
@@ -195,7 +196,7 @@ def test_gemv_kernel_compiles_for_sm90():
 
 
 def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
-    assert gemv.default_config(2048, 2048, False, 2) == gemv.TileConfig(4, 2048, 4)
+    assert gemv.default_config(2048, 2048, False, 2) == gemv.TileConfig(8, 2048, 8)
     assert gemv.default_config(2048, 2048, False, 4) == gemv.TileConfig(8, 1024, 8)  # fp32: the general rule
     assert gemv.default_config(2048, 16384, True, 2) == gemv.TileConfig(16, 256, 4)
     assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up

@@ -247,23 +247,26 @@ def store_linear_output(result, up, addend, out_ptrs, mask, EPILOGUE: tl.constex
     tl.store(out_ptrs, round_to(result, dtype), mask=mask)
 
 
-#: Tiles measured fastest on the H200 for the bundled presets' matrices (profiles/results/gemv_tiles_h200.json:
-#: each matrix as the decode layer runs it, launched as dependents, 22 tiles each), 16-bit weights:
-#: (weight rows, in_features, SiLU * up epilogue) -> tile. Per layer, one token: Llama-3.2-1B 40.9 ->
-#: 37.3 us, Llama-3-8B 125.7 -> 117.2 us, SmolLM2-135M 8.9 -> 8.3 us against the 8x1024, 8-warp tile on
-#: every matrix.
+#: Tiles measured fastest on the H200 for the bundled presets' matrices, 16-bit weights: (weight rows,
+#: in_features, SiLU * up epilogue) -> tile. First each matrix alone, as the decode layer runs it and
+#: launched as dependents (profiles/results/gemv_tiles_h200.json, 22 tiles each; one-token layer:
+#: Llama-3.2-1B 40.9 -> 37.3 us, Llama-3-8B 125.7 -> 117.2, SmolLM2-135M 8.9 -> 8.3 against the 8x1024,
+#: 8-warp tile). Then inside the captured decode step, where each kernel follows another one
+#: (profiles/bench_step_tiles.py, results/step_tiles_*_h200.json, 12-18 tiles a matrix): the entries
+#: marked "step" won there, together (alternating rounds) Llama-3-8B 4.518 -> 4.205 ms a step, the 1B
+#: 0.824 -> 0.819, SmolLM2 0.431 -> 0.418. The QKV entries set the fused QKV kernel's tile (``qkv_tile``).
 MEASURED_TILES = {
     (3072, 2048, False): TileConfig(8, 1024, 4),  # Llama-3.2-1B QKV
-    (2048, 2048, False): TileConfig(4, 2048, 4),  # 1B O
+    (2048, 2048, False): TileConfig(8, 2048, 8),  # 1B O (step)
     (16384, 2048, True): TileConfig(16, 256, 4),  # 1B gate/up
-    (2048, 8192, False): TileConfig(8, 2048, 4),  # 1B down
-    (6144, 4096, False): TileConfig(8, 1024, 8),  # Llama-3-8B QKV
-    (4096, 4096, False): TileConfig(16, 1024, 4),  # 8B O
+    (2048, 8192, False): TileConfig(16, 2048, 8),  # 1B down (step)
+    (6144, 4096, False): TileConfig(16, 512, 4),  # Llama-3-8B QKV (step)
+    (4096, 4096, False): TileConfig(16, 512, 4),  # 8B O (step)
     (28672, 4096, True): TileConfig(8, 1024, 4),  # 8B gate/up
-    (4096, 14336, False): TileConfig(16, 1024, 4),  # 8B down
+    (4096, 14336, False): TileConfig(4, 2048, 8),  # 8B down (step)
     (960, 576, False): TileConfig(16, 1024, 8),  # SmolLM2-135M QKV
     (576, 576, False): TileConfig(16, 1024, 8),  # SmolLM2 O
-    (3072, 576, True): TileConfig(8, 1024, 4),  # SmolLM2 gate/up
+    (3072, 576, True): TileConfig(8, 1024, 8),  # SmolLM2 gate/up (step)
     (576, 1536, False): TileConfig(4, 2048, 4),  # SmolLM2 down
 }
 
