@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.01, help="gain a tile needs to enter the combination")
     parser.add_argument("--budget-s", type=float, default=110, help="sweep seconds a model, then combine")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--matrices", default="qkv,o,gate_up,down", help="the matrices to sweep, in this order")
     args = parser.parse_args()
     graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
     original = dict(gemv.MEASURED_TILES)
@@ -95,7 +96,8 @@ def main() -> None:
                  "sweep": {}, "baselines_ms": [round(baseline_ms, 4)]}
         winners = {}
         deadline = time.perf_counter() + args.budget_s
-        for matrix, key in MODELS[model].items():
+        for matrix in args.matrices.split(","):
+            key = MODELS[model][matrix]
             if time.perf_counter() > deadline:
                 break
             timed = {}
