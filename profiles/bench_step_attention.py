@@ -1,0 +1,103 @@
+"""Batch-1 paged-decode split counts and K/V tiles chosen inside the decode step rather than alone.
+
+``graphrt profile``'s exposed times put the batch-1 attention at 4.9-7.5 us a layer (SmolLM2, 1B,
+8B at context 512; profiles/notes_fusion.md, experiment 21), the largest part of a SmolLM2 layer,
+though it reads 0.1-1 MB. Its split count (``choose_num_splits``) and tile (``default_config``) were
+measured with the kernel alone; the GEMV tiles measured alone were off in the step
+(``bench_step_tiles.py``). Here, per model (batch 1, context 512, the greedy graph only), each
+(splits, tokens a tile, warps) variant replaces both choices, the graph is captured again and its
+replay timed; then the fastest variant and today's choice alternate over ``--rounds`` rounds. Each
+variant's greedy token is compared with today's (other splits sum in another order).
+
+    python profiles/bench_step_attention.py --json profiles/results/step_attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import graphrt.attention.triton_paged_decode as paged_decode
+import graphrt.capture.graph_runner as graph_runner
+from graphrt.bench import measure_read_bandwidth, median_replay_ms
+from graphrt.sampling_params import SamplingParams
+from graphrt.workload import decode_engine, fill_decode_batch
+
+MODELS = ("random:smollm2-135m", "random:llama-3.2-1b", "random:llama-3-8b")
+#: (splits, tokens a K/V tile, warps); None: today's choice. At context 512 a split holds whole tiles,
+#: so more than 512 / tile splits leave the extra ones empty.
+VARIANTS = [None, (1, 128, 4), (2, 128, 4), (2, 64, 4), (4, 64, 4), (4, 32, 4), (8, 64, 4), (8, 32, 4), (8, 32, 2),
+            (16, 32, 4), (16, 32, 2), (16, 16, 2)]
+
+_choose_num_splits, _default_config = paged_decode.choose_num_splits, paged_decode.default_config
+
+
+def apply(variant) -> None:
+    """Installs ``variant``'s split count and tile in the paged decode's module (None: today's choices)."""
+    if variant is None:
+        paged_decode.choose_num_splits, paged_decode.default_config = _choose_num_splits, _default_config
+        return
+    splits, block_n, warps = variant
+    paged_decode.choose_num_splits = lambda *args, **kwargs: splits
+    paged_decode.default_config = lambda *args, **kwargs: paged_decode.DecodeConfig(block_n, warps, 3)
+
+
+def name_of(variant) -> str:
+    return "today" if variant is None else "{}x{} w{}".format(*variant)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
+               "replays": args.replays, "rounds": args.rounds, "models": []}
+    for model in args.models.split(","):
+        engine = decode_engine(model, "cuda", "auto", 1, 512, enforce_eager=False)
+        batch = fill_decode_batch(engine, 1, 512, SamplingParams(temperature=0.0))
+        runner = engine.decode_runner
+
+        def step(variant) -> tuple[float, list[int]]:
+            apply(variant)
+            runner.graphs.clear()
+            runner.capture(progress=False)
+            token = runner.decode(batch)
+            return median_replay_ms(runner.graphs[(1, "greedy")], args.replays), token
+
+        timed = {}
+        _, today_token = step(None)
+        for variant in VARIANTS:
+            ms, token = step(variant)
+            timed[name_of(variant)] = (round(ms, 4), token == today_token)
+        best = min(VARIANTS, key=lambda variant: timed[name_of(variant)][0])
+        entry = {"model": model, "timed_ms": timed, "best": name_of(best)}
+        if best is not None:
+            rounds = {"today": [], name_of(best): []}
+            for _ in range(args.rounds):
+                rounds["today"].append(step(None)[0])
+                rounds[name_of(best)].append(step(best)[0])
+            today, chosen = statistics.median(rounds["today"]), statistics.median(rounds[name_of(best)])
+            entry.update(rounds_ms=rounds, today_ms=round(today, 4), best_ms=round(chosen, 4),
+                         ratio=round(chosen / today, 4))
+            print(f"{model:22} best {name_of(best)}: {today:.4f} -> {chosen:.4f} ms ({chosen / today:.4f}x)", flush=True)
+        print(f"{model:22} " + ", ".join(f"{name} {ms:.4f}{'' if same else ' (token differs)'}"
+                                         for name, (ms, same) in timed.items()), flush=True)
+        results["models"].append(entry)
+        apply(None)
+        engine = batch = runner = None  # freed before the next model's engine
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
