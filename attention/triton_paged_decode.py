@@ -40,6 +40,12 @@ from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_k
 MAX_SPLITS = 64
 #: Fewest tokens a split is given before another split is worth its partial result.
 MIN_TOKENS_PER_SPLIT = 128
+#: K/V tile and fewest tokens a split for contexts that 128-token slices split at most 4 ways while the
+#: device could run twice as many programs (batch 1 at context 512): timed inside the captured batch-1
+#: step at context 512 on the H200 (profiles/bench_step_attention.py, results/step_attention_h200.json),
+#: 8 splits of 64-token tiles against 4 of 128, alternating rounds: SmolLM2-135M 0.420 -> 0.413 ms, Llama-3.2-1B
+#: 0.813 -> 0.790, Llama-3-8B 4.107 against 4.144 (its best, 16 splits of 32 tokens, 4.102).
+SHORT_CONTEXT_TILE = 64
 #: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (H200, d=128:
 #: 64 KiB tiles ran at 3.46 TB/s where 32 KiB ran at 3.20).
 TILE_BYTES = 64 * 1024
@@ -116,6 +122,7 @@ def choose_num_splits(
     resident: int,
     sliding_window: int | None = None,
     max_splits: int = MAX_SPLITS,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
     """Splits per (sequence, kv head), from host values only (safe to call before capture).
 
@@ -129,11 +136,11 @@ def choose_num_splits(
       none 2.89).
     * larger: no split (the last wave's loss is small; a split costs its partials and the merge).
 
-    No split gets fewer than ``MIN_TOKENS_PER_SPLIT`` tokens of the captured (window-limited) context.
+    No split gets fewer than ``min_tokens_per_split`` tokens of the captured (window-limited) context.
     """
-    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    span = _span(max_seq_len, sliding_window)
     base = max(batch * num_kv_heads, 1)
-    by_length = max(span // MIN_TOKENS_PER_SPLIT, 1)
+    by_length = max(span // min_tokens_per_split, 1)
     if 2 * base >= 5 * resident:
         return 1
     if base > resident:
@@ -143,10 +150,44 @@ def choose_num_splits(
             return waves / math.ceil(waves)
 
         wanted = max(range(1, 5), key=lambda s: (round(last_wave_fill(s), 2), -s))
-        by_length = max(span // (4 * MIN_TOKENS_PER_SPLIT), 1)
+        by_length = max(span // (4 * min_tokens_per_split), 1)
     else:
         wanted = resident // base
     return max(1, min(wanted, by_length, max_splits))
+
+
+def _span(max_seq_len: int, sliding_window: int | None) -> int:
+    """Keys a sequence attends to at most: the captured context, or the window when shorter."""
+    return max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+
+
+def choose_launch(
+    config: DecodeConfig,
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    head_size: int,
+    cache_element_size: int,
+    device: torch.device | None = None,
+    sliding_window: int | None = None,
+    max_splits: int = MAX_SPLITS,
+    tile_given: bool = False,
+) -> tuple[DecodeConfig, int]:
+    """(tile, splits) for a launch from host values only: ``config`` with ``choose_num_splits``' count,
+    or, unless ``tile_given`` (the caller chose ``config``), where 128-token slices split the context at
+    most 4 ways while the device could run at least twice as many programs, ``SHORT_CONTEXT_TILE``-token
+    tiles and slices, for twice the splits (measured faster in the batch-1 step: see
+    ``SHORT_CONTEXT_TILE``)."""
+    resident = resident_programs(config, head_size, cache_element_size, device)
+    splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
+    base = max(batch * num_kv_heads, 1)
+    short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
+    if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or resident // base < 2 * splits:
+        return config, splits
+    short = DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=config.num_warps, num_stages=config.num_stages)
+    resident = resident_programs(short, head_size, cache_element_size, device)
+    return short, choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits,
+                                    min_tokens_per_split=SHORT_CONTEXT_TILE)
 
 
 @dataclass
@@ -473,8 +514,8 @@ def paged_decode_attention(
     cfg = config or default_config(head_size, kv_cache.element_size(), query.device)
     if num_splits is None:
         max_splits = workspace.max_splits if workspace is not None else MAX_SPLITS
-        resident = resident_programs(cfg, head_size, kv_cache.element_size(), query.device)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
+        cfg, num_splits = choose_launch(cfg, batch, num_kv_heads, max_seq_len, head_size, kv_cache.element_size(),
+                                        query.device, sliding_window, max_splits, tile_given=config is not None)
     if num_splits > 1:
         if workspace is None:
             if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -554,6 +595,7 @@ __all__ = [
     "DecodeConfig",
     "DecodeWorkspace",
     "MAX_SPLITS",
+    "choose_launch",
     "choose_num_splits",
     "default_config",
     "paged_decode_attention",

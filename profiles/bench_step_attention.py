@@ -9,7 +9,12 @@ measured with the kernel alone; the GEMV tiles measured alone were off in the st
 replay timed; then the fastest variant and today's choice alternate over ``--rounds`` rounds. Each
 variant's greedy token is compared with today's (other splits sum in another order).
 
+``--compare-rule`` times ``choose_launch``'s short-context rule (``SHORT_CONTEXT_TILE``: 64-token tiles
+and splits where the length, not the device, caps the split count) on and off instead, alternating, at
+the points ``--points`` names (model:batch:context), which the sweep did not cover.
+
     python profiles/bench_step_attention.py --json profiles/results/step_attention_h200.json
+    python profiles/bench_step_attention.py --compare-rule --json profiles/results/short_context_rule_h200.json
 """
 
 from __future__ import annotations
@@ -33,16 +38,49 @@ VARIANTS = [None, (1, 128, 4), (2, 128, 4), (2, 64, 4), (4, 64, 4), (4, 32, 4), 
             (16, 32, 4), (16, 32, 2), (16, 16, 2)]
 
 _choose_num_splits, _default_config = paged_decode.choose_num_splits, paged_decode.default_config
+_short_context_tile = paged_decode.SHORT_CONTEXT_TILE
 
 
 def apply(variant) -> None:
     """Installs ``variant``'s split count and tile in the paged decode's module (None: today's choices)."""
     if variant is None:
         paged_decode.choose_num_splits, paged_decode.default_config = _choose_num_splits, _default_config
+        paged_decode.SHORT_CONTEXT_TILE = _short_context_tile
         return
+    paged_decode.SHORT_CONTEXT_TILE = 1 << 30  # the variant's tile as it is
     splits, block_n, warps = variant
     paged_decode.choose_num_splits = lambda *args, **kwargs: splits
     paged_decode.default_config = lambda *args, **kwargs: paged_decode.DecodeConfig(block_n, warps, 3)
+
+
+def compare_rule(points: list[str], rounds: int, replays: int) -> list[dict]:
+    """The short-context rule on and off at each model:batch:context point, alternating over rounds."""
+    entries = []
+    rule_tile = paged_decode.SHORT_CONTEXT_TILE
+    for point in points:
+        model, batch_size, context = point.rsplit(":", 2)
+        batch_size, context = int(batch_size), int(context)
+        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
+        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
+        runner = engine.decode_runner
+        samples, tokens = {"off": [], "on": []}, {}
+        for _ in range(rounds):
+            for state, tile in (("off", 1 << 30), ("on", rule_tile)):  # off: every tile counts as short already
+                paged_decode.SHORT_CONTEXT_TILE = tile
+                runner.graphs.clear()
+                runner.capture(progress=False)
+                tokens[state] = runner.decode(batch)
+                samples[state].append(median_replay_ms(runner.graphs[(batch_size, "greedy")], replays))
+        paged_decode.SHORT_CONTEXT_TILE = rule_tile
+        off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+        entries.append({"model": model, "batch_size": batch_size, "context": context, "off_ms": round(off, 4),
+                        "on_ms": round(on, 4), "ratio": round(on / off, 4), "rounds_ms": samples,
+                        "same_tokens": tokens["on"] == tokens["off"]})
+        print(f"{model:22} batch {batch_size:3} ctx {context:5}: rule off {off:.4f} -> on {on:.4f} ms "
+              f"({on / off:.4f}x), same tokens {tokens['on'] == tokens['off']}", flush=True)
+        engine = batch = runner = None
+        torch.cuda.empty_cache()
+    return entries
 
 
 def name_of(variant) -> str:
@@ -55,11 +93,19 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--compare-rule", action="store_true", help="time the short-context rule on and off")
+    parser.add_argument("--points", default="random:smollm2-135m:8:512,random:llama-3.2-1b:8:512,random:llama-3-8b:8:512")
     args = parser.parse_args()
     graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
                "replays": args.replays, "rounds": args.rounds, "models": []}
+    if args.compare_rule:
+        results["points"] = compare_rule(args.points.split(","), args.rounds, args.replays)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     for model in args.models.split(","):
         engine = decode_engine(model, "cuda", "auto", 1, 512, enforce_eager=False)
         batch = fill_decode_batch(engine, 1, 512, SamplingParams(temperature=0.0))

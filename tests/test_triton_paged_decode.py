@@ -277,6 +277,28 @@ def test_resident_programs_follow_registers_and_shared_memory():
     assert tpd.choose_num_splits(8, 8, 4096, 132 * 4) == 8
 
 
+def test_short_contexts_take_short_tiles_and_twice_the_splits(monkeypatch):
+    """Where 128-token slices split the captured context at most 4 ways and the device could run twice
+    the programs (batch 1 at context 512 on an H200), 64-token tiles and slices give twice the splits;
+    longer contexts, full batches and a caller's own tile keep today's choice."""
+    monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 227 * 1024))
+    for head_size in (64, 128):  # SmolLM2 and the 1B; the 8B
+        tile = tpd.default_config(head_size, 2)
+        assert tile.block_n == 128
+        short, splits = tpd.choose_launch(tile, 1, 8, 513, head_size, 2)
+        assert (short.block_n, short.num_warps, short.num_stages, splits) == (64, tile.num_warps, tile.num_stages, 8)
+        assert tpd.choose_launch(tile, 1, 8, 513, head_size, 2, tile_given=True) == (tile, 4)
+        resident = tpd.resident_programs(tile, head_size, 2)
+        assert tpd.choose_launch(tile, 1, 8, 4097, head_size, 2) == (tile, tpd.choose_num_splits(1, 8, 4097, resident))
+        assert tpd.choose_launch(tile, 64, 8, 513, head_size, 2) == (tile, 1)
+        # A window as short as the context splits alike; a default tile of 64 tokens (head size 256, say)
+        # keeps today's count (not measured otherwise).
+        assert tpd.choose_launch(tile, 1, 8, 10**5, head_size, 2, sliding_window=512)[0].block_n == 64
+        assert tpd.choose_launch(short, 1, 8, 513, head_size, 2) == (short, 4)
+    # 1B batch 8 at context 512: 64 programs unsplit, 528 fit: 8 splits of 64 tokens instead of 4 of 128.
+    assert tpd.choose_launch(tpd.default_config(64, 2), 8, 8, 513, 64, 2)[1] == 8
+
+
 def test_default_config_fits_shared_memory():
     for head_size in (64, 80, 96, 112, 128, 256):
         for element_size in (1, 2, 4):
