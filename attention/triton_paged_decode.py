@@ -40,11 +40,14 @@ from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_k
 MAX_SPLITS = 64
 #: Fewest tokens a split is given before another split is worth its partial result.
 MIN_TOKENS_PER_SPLIT = 128
-#: K/V tile and fewest tokens a split for contexts that 128-token slices split at most 4 ways while the
-#: device could run twice as many programs (batch 1 at context 512): timed inside the captured batch-1
-#: step at context 512 on the H200 (profiles/bench_step_attention.py, results/step_attention_h200.json),
-#: 8 splits of 64-token tiles against 4 of 128, alternating rounds: SmolLM2-135M 0.420 -> 0.413 ms, Llama-3.2-1B
-#: 0.813 -> 0.790, Llama-3-8B 4.107 against 4.144 (its best, 16 splits of 32 tokens, 4.102).
+#: K/V tile and fewest tokens a split where 128-token slices split the context at most 4 ways and their
+#: programs fill at most half the SMs (batch 1 at context 512): each program's chain of dependent
+#: loads, not bandwidth, sets the time, and shorter slices shorten it. Timed inside the captured step on
+#: the H200 (profiles/bench_step_attention.py, results/step_attention_h200.json), batch 1, context 512,
+#: 8 splits of 64-token tiles against 4 of 128, alternating rounds: SmolLM2-135M 0.420 -> 0.413 ms,
+#: Llama-3.2-1B 0.813 -> 0.790, Llama-3-8B 4.107 against 4.144 (its best, 16 splits of 32 tokens, 4.102).
+#: At batch 8 (96-256 programs) the same rule was neutral (1B 1.154 both, 8B 4.981 against 4.980) or
+#: slower (SmolLM2 0.916 against 0.910; results/short_context_rule_h200.json), hence the half-the-SMs bound.
 SHORT_CONTEXT_TILE = 64
 #: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (H200, d=128:
 #: 64 KiB tiles ran at 3.46 TB/s where 32 KiB ran at 3.20).
@@ -175,14 +178,14 @@ def choose_launch(
 ) -> tuple[DecodeConfig, int]:
     """(tile, splits) for a launch from host values only: ``config`` with ``choose_num_splits``' count,
     or, unless ``tile_given`` (the caller chose ``config``), where 128-token slices split the context at
-    most 4 ways while the device could run at least twice as many programs, ``SHORT_CONTEXT_TILE``-token
-    tiles and slices, for twice the splits (measured faster in the batch-1 step: see
-    ``SHORT_CONTEXT_TILE``)."""
+    most 4 ways and their programs fill at most half the SMs, ``SHORT_CONTEXT_TILE``-token tiles and
+    slices, for twice the splits (measured faster in the batch-1 step: see ``SHORT_CONTEXT_TILE``)."""
     resident = resident_programs(config, head_size, cache_element_size, device)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
-    base = max(batch * num_kv_heads, 1)
+    programs = max(batch * num_kv_heads, 1) * splits
     short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
-    if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or resident // base < 2 * splits:
+    few_programs = 2 * programs <= _device_limits(device)[0]
+    if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or not few_programs:
         return config, splits
     short = DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=config.num_warps, num_stages=config.num_stages)
     resident = resident_programs(short, head_size, cache_element_size, device)
