@@ -7,7 +7,7 @@
 # the decode runner and engine), tests-sampling (the samplers'), profile-8b (the 8B's batch-1 step with
 # plain and dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
 # few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
-# counts at head size 64), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
+# counts at head size 64), step-tiles and step-attention (tiles and split counts timed inside the step), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
 # kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
 set -uo pipefail
 OUT=${OUT:-h200_out}
@@ -101,6 +101,15 @@ for stage in $stages; do
     gemv-tma)
       log "batch-1 GEMV: register loads against TMA-pipelined weight slices"
       python profiles/bench_gemv_tma.py --json "$OUT/gemv_tma.json"
+      ;;
+    step-tiles)
+      log "batch-1 GEMV tiles timed inside the captured step (change 21)"
+      python profiles/bench_step_tiles.py --json "$OUT/step_tiles.json"
+      ;;
+    step-attention)
+      log "batch-1 split counts and K/V tiles timed inside the captured step, then the short-context rule (change 22)"
+      python profiles/bench_step_attention.py --json "$OUT/step_attention.json"
+      python profiles/bench_step_attention.py --compare-rule --json "$OUT/short_context_rule.json"
       ;;
     profile)
       for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do
