@@ -132,8 +132,12 @@ def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
     """Median GPU ms of replaying ``batch``'s graph (static buffers refreshed once, by a decode)."""
     runner = engine.decode_runner
     runner.decode(batch)
-    return median_replay_ms(runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)],
-                            steps)
+    return median_replay_ms(_graph_for(runner, batch), steps)
+
+
+def _graph_for(runner, batch) -> torch.cuda.CUDAGraph:
+    """The captured graph ``runner`` replays for ``batch``: its padded size's, its sampling mode's."""
+    return runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)]
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -147,6 +151,16 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
+
+
+def recaptured_replay_ms(runner, batch, replays: int) -> tuple[float, list[int]]:
+    """(median GPU ms of a replay, the step's tokens) of ``batch`` after capturing ``runner``'s graphs
+    again: how the step sweeps in profiles/ time a kernel choice (a tile, a split count) they changed
+    in its module, since launches read those choices when they are captured."""
+    runner.graphs.clear()
+    runner.capture(progress=False)
+    tokens = runner.decode(batch)
+    return median_replay_ms(_graph_for(runner, batch), replays), tokens
 
 
 def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, **options):

@@ -27,7 +27,7 @@ import torch
 
 import graphrt.attention.triton_paged_decode as paged_decode
 import graphrt.capture.graph_runner as graph_runner
-from graphrt.bench import measure_read_bandwidth, median_replay_ms
+from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
 from graphrt.sampling_params import SamplingParams
 from graphrt.workload import decode_engine, fill_decode_batch
 
@@ -67,10 +67,8 @@ def compare_rule(points: list[str], rounds: int, replays: int) -> list[dict]:
         for _ in range(rounds):
             for state, tile in (("off", 1 << 30), ("on", rule_tile)):  # off: every tile counts as short already
                 paged_decode.SHORT_CONTEXT_TILE = tile
-                runner.graphs.clear()
-                runner.capture(progress=False)
-                tokens[state] = runner.decode(batch)
-                samples[state].append(median_replay_ms(runner.graphs[(batch_size, "greedy")], replays))
+                ms, tokens[state] = recaptured_replay_ms(runner, batch, replays)
+                samples[state].append(ms)
         paged_decode.SHORT_CONTEXT_TILE = rule_tile
         off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
         entries.append({"model": model, "batch_size": batch_size, "context": context, "off_ms": round(off, 4),
@@ -113,10 +111,7 @@ def main() -> None:
 
         def step(variant) -> tuple[float, list[int]]:
             apply(variant)
-            runner.graphs.clear()
-            runner.capture(progress=False)
-            token = runner.decode(batch)
-            return median_replay_ms(runner.graphs[(1, "greedy")], args.replays), token
+            return recaptured_replay_ms(runner, batch, args.replays)
 
         timed = {}
         _, today_token = step(None)

@@ -26,7 +26,7 @@ import time
 import torch
 
 import graphrt.capture.graph_runner as graph_runner
-from graphrt.bench import measure_read_bandwidth, median_replay_ms
+from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
 from graphrt.kernels import gemv
 from graphrt.sampling_params import SamplingParams
 from graphrt.workload import decode_engine, fill_decode_batch
@@ -61,10 +61,7 @@ def time_step(runner, batch, original: dict, tiles: dict, replays: int) -> tuple
     """(median replay ms, greedy token) of ``batch``'s step with ``tiles`` over the ``original`` tiles."""
     gemv.MEASURED_TILES.update(original)
     gemv.MEASURED_TILES.update(tiles)
-    runner.graphs.clear()
-    runner.capture(progress=False)
-    token = runner.decode(batch)
-    return median_replay_ms(runner.graphs[(1, "greedy")], replays), token
+    return recaptured_replay_ms(runner, batch, replays)
 
 
 def main() -> None:
