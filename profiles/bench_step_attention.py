@@ -1,19 +1,22 @@
-"""Batch-1 paged-decode split counts and K/V tiles chosen inside the decode step rather than alone.
+"""Paged-decode split counts and K/V tiles chosen inside the decode step rather than alone.
 
 ``graphrt profile``'s exposed times put the batch-1 attention at 4.9-7.5 us a layer (SmolLM2, 1B,
 8B at context 512; profiles/notes_fusion.md, experiment 21), the largest part of a SmolLM2 layer,
 though it reads 0.1-1 MB. Its split count (``choose_num_splits``) and tile (``default_config``) were
 measured with the kernel alone; the GEMV tiles measured alone were off in the step
-(``bench_step_tiles.py``). Here, per model (batch 1, context 512, the greedy graph only), each
-(splits, tokens a tile, warps) variant replaces both choices, the graph is captured again and its
-replay timed; then the fastest variant and today's choice alternate over ``--rounds`` rounds. Each
-variant's greedy token is compared with today's (other splits sum in another order).
+(``bench_step_tiles.py``). Here, per model:batch:context point (``--points``; by default batch 1 at
+context 512; the greedy graph only), each (splits, tokens a tile, warps) variant of ``variants_for``
+replaces both choices, the graph is captured again and its replay timed; then the fastest variant and
+today's choice alternate over ``--rounds`` rounds. Each variant's greedy token is compared with today's
+(other splits sum in another order). ``results/step_attention_h200.json`` ran 12 of today's 18
+variants at context 512.
 
 ``--compare-rule`` times ``choose_launch``'s short-context rule (``SHORT_CONTEXT_TILE``: 64-token tiles
-and splits where the length, not the device, caps the split count) on and off instead, alternating, at
-the points ``--points`` names (model:batch:context), which the sweep did not cover.
+and splits where short contexts leave SMs idle) on and off instead, alternating, at ``--points``
+(default: batch 8 at context 512, which the first sweep did not cover).
 
     python profiles/bench_step_attention.py --json profiles/results/step_attention_h200.json
+    python profiles/bench_step_attention.py --points random:llama-3.2-1b:1:4096 --json step_attention_4096.json
     python profiles/bench_step_attention.py --compare-rule --json profiles/results/short_context_rule_h200.json
 """
 
@@ -31,11 +34,21 @@ from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
 from graphrt.sampling_params import SamplingParams
 from graphrt.workload import decode_engine, fill_decode_batch
 
-MODELS = ("random:smollm2-135m", "random:llama-3.2-1b", "random:llama-3-8b")
-#: (splits, tokens a K/V tile, warps); None: today's choice. At context 512 a split holds whole tiles,
-#: so more than 512 / tile splits leave the extra ones empty.
-VARIANTS = [None, (1, 128, 4), (2, 128, 4), (2, 64, 4), (4, 64, 4), (4, 32, 4), (8, 64, 4), (8, 32, 4), (8, 32, 2),
-            (16, 32, 4), (16, 32, 2), (16, 16, 2)]
+#: model:batch:context points the sweep times by default (batch 1 at context 512, experiment 21's).
+SWEEP_POINTS = "random:smollm2-135m:1:512,random:llama-3.2-1b:1:512,random:llama-3-8b:1:512"
+
+
+def variants_for(context: int) -> list:
+    """(splits, tokens a K/V tile, warps) to time at ``context``, None first (today's choice): tiles of
+    128, 64 and 32 tokens (32 at 2 warps too), 1 to 64 splits in powers of two while each split still
+    holds a whole tile (a split holds whole tiles, so more would leave the extra ones empty)."""
+    variants = [None]
+    for block_n, warps in ((128, 4), (64, 4), (32, 4), (32, 2)):
+        splits = 1
+        while splits <= min(paged_decode.MAX_SPLITS, max(context // block_n, 1)):
+            variants.append((splits, block_n, warps))
+            splits *= 2
+    return variants
 
 _choose_num_splits, _default_config = paged_decode.choose_num_splits, paged_decode.default_config
 _short_context_tile = paged_decode.SHORT_CONTEXT_TILE
@@ -90,24 +103,27 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--compare-rule", action="store_true", help="time the short-context rule on and off")
-    parser.add_argument("--points", default="random:smollm2-135m:8:512,random:llama-3.2-1b:8:512,random:llama-3-8b:8:512")
+    parser.add_argument("--points", help="model:batch:context, comma-separated (default: the mode's points)")
     args = parser.parse_args()
     graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
                "replays": args.replays, "rounds": args.rounds, "models": []}
     if args.compare_rule:
-        results["points"] = compare_rule(args.points.split(","), args.rounds, args.replays)
+        points = args.points or "random:smollm2-135m:8:512,random:llama-3.2-1b:8:512,random:llama-3-8b:8:512"
+        results["points"] = compare_rule(points.split(","), args.rounds, args.replays)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
         return
-    for model in args.models.split(","):
-        engine = decode_engine(model, "cuda", "auto", 1, 512, enforce_eager=False)
-        batch = fill_decode_batch(engine, 1, 512, SamplingParams(temperature=0.0))
+    for point in (args.points or SWEEP_POINTS).split(","):
+        model, batch_size, context = point.rsplit(":", 2)
+        batch_size, context = int(batch_size), int(context)
+        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
+        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
         runner = engine.decode_runner
+        variants = variants_for(context)
 
         def step(variant) -> tuple[float, list[int]]:
             apply(variant)
@@ -115,11 +131,11 @@ def main() -> None:
 
         timed = {}
         _, today_token = step(None)
-        for variant in VARIANTS:
+        for variant in variants:
             ms, token = step(variant)
             timed[name_of(variant)] = (round(ms, 4), token == today_token)
-        best = min(VARIANTS, key=lambda variant: timed[name_of(variant)][0])
-        entry = {"model": model, "timed_ms": timed, "best": name_of(best)}
+        best = min(variants, key=lambda variant: timed[name_of(variant)][0])
+        entry = {"model": model, "batch_size": batch_size, "context": context, "timed_ms": timed, "best": name_of(best)}
         if best is not None:
             rounds = {"today": [], name_of(best): []}
             for _ in range(args.rounds):
@@ -128,8 +144,8 @@ def main() -> None:
             today, chosen = statistics.median(rounds["today"]), statistics.median(rounds[name_of(best)])
             entry.update(rounds_ms=rounds, today_ms=round(today, 4), best_ms=round(chosen, 4),
                          ratio=round(chosen / today, 4))
-            print(f"{model:22} best {name_of(best)}: {today:.4f} -> {chosen:.4f} ms ({chosen / today:.4f}x)", flush=True)
-        print(f"{model:22} " + ", ".join(f"{name} {ms:.4f}{'' if same else ' (token differs)'}"
+            print(f"{point:30} best {name_of(best)}: {today:.4f} -> {chosen:.4f} ms ({chosen / today:.4f}x)", flush=True)
+        print(f"{point:30} " + ", ".join(f"{name} {ms:.4f}{'' if same else ' (token differs)'}"
                                          for name, (ms, same) in timed.items()), flush=True)
         results["models"].append(entry)
         apply(None)

@@ -1,12 +1,12 @@
 """Batch-1 GEMV tiles chosen inside the decode step rather than alone.
 
-``gemv.MEASURED_TILES`` holds the tile each matrix ran fastest with in ``bench_gemv.py``: the same kernel
-launched back to back, each launch overlapping the tail of its twin. In the step each kernel follows
+``gemv.MEASURED_TILES`` held the tile each matrix ran fastest with in ``bench_gemv.py`` (change 21 replaced
+six with this script's winners): the same kernel launched back to back, each overlapping its twin's tail. In the step each kernel follows
 another one (the fused QKV follows the previous layer's down projection, O follows the attention), and
 ``graphrt profile``'s exposed times (profiles/notes_fusion.md, experiment 21) put the 8B's fused QKV at
 21 us a layer against 15.4 us alone. Here the step itself is the measure: per model one engine (batch 1,
-context 512, the greedy graph only), and for each matrix each candidate tile replaces its entry, the
-graph is captured again and its replay timed (median of ``--replays``), with the unchanged step timed
+``--context`` 512 by default, the greedy graph only), and for each matrix each candidate tile replaces
+its entry, the graph is captured again and its replay timed (median of ``--replays``), with the unchanged step timed
 again between matrices. Then the candidates that beat the unchanged step by more than ``--margin`` are
 combined and the combination is timed against the unchanged step, alternating over ``--rounds``
 rounds. Each run's greedy token is compared with the unchanged step's and reported (a tile changes the
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.01, help="gain a tile needs to enter the combination")
     parser.add_argument("--budget-s", type=float, default=110, help="sweep seconds a model, then combine")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--context", type=int, default=512, help="tokens in the sequence (batch 1)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down", help="the matrices to sweep, in this order")
     args = parser.parse_args()
     graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
@@ -81,15 +82,15 @@ def main() -> None:
                "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(device) / 1e9, 1), "replays": args.replays,
                "rounds": args.rounds, "margin": args.margin, "models": []}
     for model in args.models.split(","):
-        engine = decode_engine(model, "cuda", "auto", 1, 512, enforce_eager=False)
-        batch = fill_decode_batch(engine, 1, 512, SamplingParams(temperature=0.0))
+        engine = decode_engine(model, "cuda", "auto", 1, args.context, enforce_eager=False)
+        batch = fill_decode_batch(engine, 1, args.context, SamplingParams(temperature=0.0))
         runner = engine.decode_runner
 
         def step_ms(tiles: dict) -> tuple[float, list[int]]:
             return time_step(runner, batch, original, tiles, args.replays)
 
         baseline_ms, baseline_token = step_ms({})
-        entry = {"model": model, "current_tiles": {m: vars(original[k]) for m, k in MODELS[model].items()},
+        entry = {"model": model, "context": args.context, "current_tiles": {m: vars(original[k]) for m, k in MODELS[model].items()},
                  "sweep": {}, "baselines_ms": [round(baseline_ms, 4)]}
         winners = {}
         deadline = time.perf_counter() + args.budget_s
