@@ -17,8 +17,9 @@ length take part (a graph captured for long contexts runs short sequences with m
 lone live split writes ``out`` directly. One kernel per attention call, not a split kernel and
 a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time.
 
-CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` chosen on the host from the batch
-size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the data. Slice
+CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` and the K/V tile chosen on the host
+from the batch size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the
+data (``choose_launch``). Slice
 bounds and loop trip counts come from ``seq_lens`` on the device, so one captured launch replays
 correctly for any real lengths up to ``max_seq_len``. Preallocate the workspace with
 ``DecodeWorkspace.allocate`` so that nothing is allocated inside capture.
@@ -40,8 +41,9 @@ from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_k
 MAX_SPLITS = 64
 #: Fewest tokens a split is given before another split is worth its partial result.
 MIN_TOKENS_PER_SPLIT = 128
-#: K/V tile and fewest tokens a split where 128-token slices split the context at most 4 ways and their
-#: programs fill at most half the SMs (batch 1 at context 512): each program's chain of dependent
+#: K/V tile and fewest tokens a split where 128-token slices split the captured context (the graph's
+#: ``max_seq_len``, under 640 tokens) at most 4 ways and their programs fill at most half the SMs
+#: (batch 1 of an engine captured for 513 tokens): each program's chain of dependent
 #: loads, not bandwidth, sets the time, and shorter slices shorten it. Timed inside the captured step on
 #: the H200 (profiles/bench_step_attention.py, results/step_attention_h200.json), batch 1, context 512,
 #: 8 splits of 64-token tiles against 4 of 128, alternating rounds: SmolLM2-135M 0.420 -> 0.413 ms,
@@ -177,9 +179,12 @@ def choose_launch(
     tile_given: bool = False,
 ) -> tuple[DecodeConfig, int]:
     """(tile, splits) for a launch from host values only: ``config`` with ``choose_num_splits``' count,
-    or, unless ``tile_given`` (the caller chose ``config``), where 128-token slices split the context at
-    most 4 ways and their programs fill at most half the SMs, ``SHORT_CONTEXT_TILE``-token tiles and
-    slices, for twice the splits (measured faster in the batch-1 step: see ``SHORT_CONTEXT_TILE``)."""
+    or, unless ``tile_given`` (the caller chose ``config``), where 128-token slices split the captured
+    context (``max_seq_len``, or the window) at most 4 ways and their programs fill at most half the SMs,
+    ``SHORT_CONTEXT_TILE``-token tiles and slices when they give more splits (twice as many at the
+    captured context of 513 tokens that was measured faster in the batch-1 step: see
+    ``SHORT_CONTEXT_TILE``). Graphs captured for long contexts keep 128-token tiles whatever the live
+    lengths, as the split count follows the captured context too."""
     resident = resident_programs(config, head_size, cache_element_size, device)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
     programs = max(batch * num_kv_heads, 1) * splits
@@ -189,8 +194,11 @@ def choose_launch(
         return config, splits
     short = DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=config.num_warps, num_stages=config.num_stages)
     resident = resident_programs(short, head_size, cache_element_size, device)
-    return short, choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits,
-                                    min_tokens_per_split=SHORT_CONTEXT_TILE)
+    short_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits,
+                                     min_tokens_per_split=SHORT_CONTEXT_TILE)
+    # A shorter tile without more splits (contexts under 128 tokens, a workspace's split cap) would only
+    # walk more tiles a program: not measured, and not the point.
+    return (short, short_splits) if short_splits > splits else (config, splits)
 
 
 @dataclass

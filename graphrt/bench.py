@@ -159,6 +159,9 @@ def recaptured_replay_ms(runner, batch, replays: int) -> tuple[float, list[int]]
     in its module, since launches read those choices when they are captured."""
     runner.graphs.clear()
     runner.capture(progress=False)
+    if not runner.uses_graphs:  # capture failed: the runner fell back to eager and says why
+        why = runner.stats.capture_error or runner.eager_reason
+        raise RuntimeError(f"capturing the decode graphs again failed: {why}")
     tokens = runner.decode(batch)
     return median_replay_ms(_graph_for(runner, batch), replays), tokens
 

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Builds a steady decode workload (B sequences of a given context in the paged cache), "
         "warms up, records decode steps with torch.profiler (CPU + CUDA), writes a Chrome/Perfetto trace and "
         "prints per step: kernels, kernel time against wall time, the top kernels and their share of the step, "
-        "each kernel's exposed time (what it adds past the activity that ended before it, per launch grid), "
+        "each kernel's exposed time (what it adds past what ended before it, per launch grid), "
         "and the GPU's idle time and gaps between kernels. On CPU: the trace and host operators only.",
     )
     add_model_arguments(prof, default_model="random:llama-3.2-1b")

@@ -26,13 +26,15 @@ Per step (means over the recorded steps), all times in microseconds:
   ``graph_idle_us_per_step`` (span - busy) and ``graph_gap_mean_us`` (between consecutive nodes).
 - ``top_kernels``: ``name``, ``short_name``, ``count_per_step``, ``us_per_step``, ``mean_us``,
   ``share_of_step`` (of the wall time), ``share_of_kernel_time``.
-- ``exposed_kernels``: what each kernel adds to the step. A kernel's *exposed* time runs from the end
-  of the GPU activity that ended before it (or from its own start, after a gap) to its own end. With
+- ``exposed_kernels``: what each GPU activity adds to the step. Taken in the order they end, an
+  activity's *exposed* time is the part of it that no activity ending before it covered (for a chain
+  of kernels: from the previous one's end, or its own start after a gap, to its own end). With
   programmatic dependent launches a kernel starts while the one before runs and waits on the device,
-  so durations overlap and include the waits; exposed times do not overlap, and with the gaps they add
-  up to the GPU's busy span. Per (kernel, launch grid), so one kernel's launches for different
-  matrices stay apart: ``short_name``, ``grid``, ``count_per_step``, ``exposed_us_per_step``,
-  ``mean_exposed_us``, ``mean_us`` (duration), ``share_of_step``.
+  so durations overlap and include the waits; exposed times do not overlap, and over all activities
+  (copies included) they add up to ``gpu_busy_us_per_step``. Per (name, launch grid), so one kernel's
+  launches for different matrices stay apart; the top ``top`` by exposed time: ``short_name``,
+  ``grid``, ``count_per_step``, ``exposed_us_per_step``, ``mean_exposed_us``, ``mean_us`` (duration),
+  ``share_of_step``.
 - ``top_cpu_ops``: host operators and runtime calls by self time: ``name``, ``count_per_step``,
   ``self_us_per_step``, ``total_us_per_step``, ``share_of_step``; ``host_outside_ops_us_per_step``:
   step time on the step's thread outside any recorded operator or runtime call (Python).
@@ -251,10 +253,10 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
     busy, before, between, after, gaps = [], [], [], [], []
     graph_start, graph_span, graph_idle, graph_gaps = [], [], [], []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    exposed: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # (name, grid) -> count, exposed, time
+    exposed: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # (name, grid) -> count, exposed, duration
     for (w_start, w_end), activities in zip(windows, per_step):
         activities.sort()
-        _add_exposed(activities, exposed)
+        _add_exposed(activities, (w_start, w_end), exposed)
         for start, end, cat, name, *_ in activities:
             if cat == "kernel":
                 kernel_count += 1
@@ -333,24 +335,36 @@ def analyze_trace(trace: dict | list, top: int = 15, step_name: str = STEP_ANNOT
                 "mean_us": duration / count,
                 "share_of_step": exposed_total / n / step_wall if step_wall else None,
             }
-            for (name, grid), (count, exposed_total, duration) in sorted(exposed.items(), key=lambda item: -item[1][1])[:top]
+            for (name, grid), (count, exposed_total, duration)
+            in sorted(exposed.items(), key=lambda item: -item[1][1])[:top]
         ],
     )
     return result
 
 
-def _add_exposed(activities: list[tuple], exposed: dict[tuple, list[float]]) -> None:
-    """Adds each kernel of one step's ``activities`` (start, end, category, name, in graph, grid) to
-    ``exposed[(name, grid)]`` = [count, exposed us, duration us]: in the order the activities end, the
-    part of each that lies past the end of the one before (``analyze_trace``'s ``exposed_kernels``)."""
-    previous_end = None
-    for start, end, cat, name, _, grid in sorted(activities, key=lambda activity: activity[1]):
-        if cat == "kernel":
-            entry = exposed[(name, grid)]
-            entry[0] += 1
-            entry[1] += end - (start if previous_end is None else max(start, previous_end))
-            entry[2] += end - start
-        previous_end = end
+def _add_exposed(activities: list[tuple], window: tuple[float, float], exposed: dict[tuple, list[float]]) -> None:
+    """Adds each of one step's ``activities`` (start, end, category, name, in graph, grid), clipped to
+    the step's ``window``, to ``exposed[(name, grid)]`` = [count, exposed us, duration us]: in the order
+    they end, the part of each that no activity ending before it covered (``analyze_trace``'s
+    ``exposed_kernels``). Over a step these add up to its busy time: each instant is counted once, for
+    the first activity to end that covers it."""
+    covered: list[list[float]] = []  # merged intervals, in order, of the activities counted so far
+    clipped = [(max(start, window[0]), min(end, window[1]), name, grid)
+               for start, end, _, name, _, grid in activities if min(end, window[1]) > max(start, window[0])]
+    for start, end, name, grid in sorted(clipped, key=lambda activity: activity[1]):
+        overlap = 0.0
+        for c_start, c_end in reversed(covered):  # disjoint, in order, none ending after this one
+            if c_end <= start:
+                break
+            overlap += c_end - max(c_start, start)
+        entry = exposed[(name, grid)]
+        entry[0] += 1
+        entry[1] += end - start - overlap
+        entry[2] += end - start
+        # Every interval in covered ends no later than this one: it merges with those reaching its start.
+        while covered and covered[-1][1] >= start:
+            start = min(start, covered.pop()[0])
+        covered.append([start, end])
 
 
 def cpu_op_breakdown(profiler, num_steps: int, step_wall_us: float, top: int = 15,
@@ -582,7 +596,7 @@ def format_breakdown(r: dict) -> str:
             lines.append(f"  {k['short_name']:<64} {k['count_per_step']:>7.1f} {k['us_per_step']:>9.1f} "
                          f"{k['mean_us']:>8.2f} {100 * (k['share_of_step'] or 0):>6.1f}%")
         if r.get("exposed_kernels"):
-            lines += ["", f"{'exposed: time past the activity that ended before (kernel, grid)':<66} {'n/step':>7} "
+            lines += ["", f"{'exposed: time not covered by what ended before (name, grid)':<66} {'n/step':>7} "
                           f"{'us/step':>9} {'mean us':>8} {'% step':>7}"]
             for k in r["exposed_kernels"]:
                 grid = "x".join(str(g) for g in k["grid"]) if k["grid"] else "-"

@@ -77,12 +77,15 @@ def compare_rule(points: list[str], rounds: int, replays: int) -> list[dict]:
         batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
         runner = engine.decode_runner
         samples, tokens = {"off": [], "on": []}, {}
-        for _ in range(rounds):
-            for state, tile in (("off", 1 << 30), ("on", rule_tile)):  # off: every tile counts as short already
-                paged_decode.SHORT_CONTEXT_TILE = tile
-                ms, tokens[state] = recaptured_replay_ms(runner, batch, replays)
-                samples[state].append(ms)
-        paged_decode.SHORT_CONTEXT_TILE = rule_tile
+        try:
+            for round_index in range(rounds):
+                states = [("off", 1 << 30), ("on", rule_tile)]  # off: every tile counts as short already
+                for state, tile in states if round_index % 2 == 0 else states[::-1]:  # no order bias
+                    paged_decode.SHORT_CONTEXT_TILE = tile
+                    ms, tokens[state] = recaptured_replay_ms(runner, batch, replays)
+                    samples[state].append(ms)
+        finally:
+            paged_decode.SHORT_CONTEXT_TILE = rule_tile
         off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
         entries.append({"model": model, "batch_size": batch_size, "context": context, "off_ms": round(off, 4),
                         "on_ms": round(on, 4), "ratio": round(on / off, 4), "rounds_ms": samples,
@@ -144,7 +147,8 @@ def main() -> None:
             today, chosen = statistics.median(rounds["today"]), statistics.median(rounds[name_of(best)])
             entry.update(rounds_ms=rounds, today_ms=round(today, 4), best_ms=round(chosen, 4),
                          ratio=round(chosen / today, 4))
-            print(f"{point:30} best {name_of(best)}: {today:.4f} -> {chosen:.4f} ms ({chosen / today:.4f}x)", flush=True)
+            print(f"{point:30} best {name_of(best)}: {today:.4f} -> {chosen:.4f} ms ({chosen / today:.4f}x)",
+                  flush=True)
         print(f"{point:30} " + ", ".join(f"{name} {ms:.4f}{'' if same else ' (token differs)'}"
                                          for name, (ms, same) in timed.items()), flush=True)
         results["models"].append(entry)

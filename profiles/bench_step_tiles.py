@@ -1,17 +1,17 @@
 """Batch-1 GEMV tiles chosen inside the decode step rather than alone.
 
-``gemv.MEASURED_TILES`` held the tile each matrix ran fastest with in ``bench_gemv.py`` (change 21 replaced
-six with this script's winners): the same kernel launched back to back, each overlapping its twin's tail. In the step each kernel follows
-another one (the fused QKV follows the previous layer's down projection, O follows the attention), and
-``graphrt profile``'s exposed times (profiles/notes_fusion.md, experiment 21) put the 8B's fused QKV at
-21 us a layer against 15.4 us alone. Here the step itself is the measure: per model one engine (batch 1,
-``--context`` 512 by default, the greedy graph only), and for each matrix each candidate tile replaces
-its entry, the graph is captured again and its replay timed (median of ``--replays``), with the unchanged step timed
-again between matrices. Then the candidates that beat the unchanged step by more than ``--margin`` are
-combined and the combination is timed against the unchanged step, alternating over ``--rounds``
-rounds. Each run's greedy token is compared with the unchanged step's and reported (a tile changes the
-products' summation order, so a near tie could differ).
-The fused QKV kernel's tile is derived from the QKV entry (``qkv_tile``: half the outputs a program).
+``gemv.MEASURED_TILES`` held the tile each matrix ran fastest with in ``bench_gemv.py`` (change 21
+replaced six with this script's winners): the same kernel launched back to back, each overlapping its
+twin's tail. In the step each kernel follows another one (the fused QKV follows the previous layer's down
+projection, O follows the attention), and ``graphrt profile``'s exposed times (profiles/notes_fusion.md,
+experiment 21) put the 8B's fused QKV at 21 us a layer against 15.4 us alone. Here the step itself is the
+measure: per model one engine (batch 1, ``--context`` 512 by default, the greedy graph only), and for each
+matrix each candidate tile replaces its entry, the graph is captured again and its replay timed (median of
+``--replays``), with the unchanged step timed again between matrices. Then the candidates that beat the
+unchanged step by more than ``--margin`` are combined and the combination is timed against the unchanged
+step, alternating over ``--rounds`` rounds. Each run's greedy token is compared with the unchanged step's
+and reported (a tile changes the products' summation order, so a near tie could differ). The fused QKV
+kernel's tile is derived from the QKV entry (``qkv_tile``: half the outputs a program).
 
     python profiles/bench_step_tiles.py --json profiles/results/step_tiles_h200.json
 """
@@ -75,6 +75,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in the sequence (batch 1)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down", help="the matrices to sweep, in this order")
     args = parser.parse_args()
+    unknown = [model for model in args.models.split(",") if model not in MODELS]
+    if unknown:
+        parser.error(f"no matrices listed for {', '.join(unknown)}; known: {', '.join(MODELS)}")
     graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
     original = dict(gemv.MEASURED_TILES)
     device = torch.device("cuda")
@@ -90,7 +93,8 @@ def main() -> None:
             return time_step(runner, batch, original, tiles, args.replays)
 
         baseline_ms, baseline_token = step_ms({})
-        entry = {"model": model, "context": args.context, "current_tiles": {m: vars(original[k]) for m, k in MODELS[model].items()},
+        entry = {"model": model, "context": args.context,
+                 "current_tiles": {m: vars(original[k]) for m, k in MODELS[model].items()},
                  "sweep": {}, "baselines_ms": [round(baseline_ms, 4)]}
         winners = {}
         deadline = time.perf_counter() + args.budget_s

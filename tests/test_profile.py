@@ -129,13 +129,30 @@ def test_exposed_times_of_overlapping_kernels_add_up_to_the_busy_span():
     exposed = {(k["short_name"], tuple(k["grid"])): k for k in r["exposed_kernels"]}
     assert set(exposed) == {("gemv", (512, 1, 1)), ("attention", (8, 4, 1)), ("gemv", (1024, 1, 1))}
     first = exposed[("gemv", (512, 1, 1))]
-    assert (first["count_per_step"], first["exposed_us_per_step"], first["mean_exposed_us"], first["mean_us"]) == (2, 24, 12, 12)
+    counts = (first["count_per_step"], first["exposed_us_per_step"], first["mean_exposed_us"], first["mean_us"])
+    assert counts == (2, 24, 12, 12)
     assert exposed[("attention", (8, 4, 1))]["exposed_us_per_step"] == 8
     assert exposed[("gemv", (1024, 1, 1))]["exposed_us_per_step"] == 5
     assert r["exposed_kernels"][0]["short_name"] == "gemv" and r["exposed_kernels"][0]["share_of_step"] == 0.24
     busy_span = 54 - 10
     assert sum(k["exposed_us_per_step"] for k in r["exposed_kernels"]) + 7 == busy_span
     assert r["kernel_us_per_step"] == 73  # durations overlap: more than the span
+
+
+def test_exposed_times_count_each_busy_instant_once():
+    """A kernel inside another adds only itself; a copy between kernels is a row of its own; whatever
+    lies outside the step is cut off: the exposed times add up to the busy time."""
+    events = [
+        _x("user_annotation", STEP_ANNOTATION, 0, 200),
+        _x("kernel", "outer", 10, 90),  # 10-100
+        _x("kernel", "inner", 20, 10),  # 20-30, inside outer
+        _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 100, 10),  # 100-110
+        _x("kernel", "late", 190, 30),  # 190-220: 10 us inside the step
+    ]
+    r = analyze_trace(events)
+    exposed = {k["short_name"]: k["exposed_us_per_step"] for k in r["exposed_kernels"]}
+    assert exposed == {"outer": 80, "inner": 10, "Memcpy HtoD": 10, "late": 10}
+    assert sum(exposed.values()) == r["gpu_busy_us_per_step"] == 110
 
 
 def test_graph_launch_without_kernels_is_reported_hidden():
@@ -263,4 +280,4 @@ def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
     assert re.search(r"graph replay +60\.0 us +first node 10\.0 us into the step; idle inside 10\.0 us", text)
     assert "between 25.0 us" in text and "mean 8.3 us" in text
     assert "kernel_a" in text and "cudaGraphLaunch" in text and "note: a note" in text
-    assert re.search(r"exposed: time past [^\n]*\n  kernel_a \[-\] +2\.0 +30\.0 +15\.00 +30\.0%\n  kernel_b \[-\]", text)
+    assert re.search(r"exposed: time not covered [^\n]*\n  kernel_a \[-\] +2\.0 +30\.0 +15\.00 +30\.0%\n  kernel_b \[-\]", text)

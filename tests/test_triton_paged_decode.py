@@ -295,8 +295,15 @@ def test_short_contexts_take_short_tiles_and_twice_the_splits(monkeypatch):
         # keeps today's count (not measured otherwise).
         assert tpd.choose_launch(tile, 1, 8, 10**5, head_size, 2, sliding_window=512)[0].block_n == 64
         assert tpd.choose_launch(short, 1, 8, 513, head_size, 2) == (short, 4)
-    # Batch 8 at context 512 (measured no faster): the 1B's 256 programs, SmolLM2's 96 (3 kv heads).
     tile = tpd.default_config(64, 2)
+    # 640 tokens make five 128-token slices: not short. A long context stays long with few programs too
+    # (1 kv head: 32 programs); under 128 tokens, or with the splits capped, a short tile adds no split.
+    assert tpd.choose_launch(tile, 1, 8, 640, 64, 2) == (tile, 5)
+    assert tpd.choose_launch(tile, 1, 8, 639, 64, 2)[1] == 9
+    assert tpd.choose_launch(tile, 1, 1, 4097, 64, 2) == (tile, 32)
+    assert tpd.choose_launch(tile, 1, 8, 100, 64, 2) == (tile, 1)
+    assert tpd.choose_launch(tile, 1, 8, 513, 64, 2, max_splits=4) == (tile, 4)
+    # Batch 8 at context 512 (measured no faster): the 1B's 256 programs, SmolLM2's 96 (3 kv heads).
     assert tpd.choose_launch(tile, 8, 8, 513, 64, 2) == (tile, 4)
     assert tpd.choose_launch(tile, 8, 3, 513, 64, 2) == (tile, 4)
     assert tpd.choose_launch(tile, 1, 3, 513, 64, 2)[0].block_n == 64  # SmolLM2 batch 1: 12 programs
