@@ -1,0 +1,96 @@
+"""What the batch-1 attention costs in the decode step above a bare dependent kernel in its place.
+
+``graphrt profile``'s exposed times put the batch-1 attention at 4.9-7.5 us a layer (SmolLM2, 1B,
+8B at context 512; profiles/notes_fusion.md, experiment 21) while the O projection after it, a
+kernel of ~1 MB, adds ~1.5 us. Whether a faster attention is worth a redesign depends on how much
+of those microseconds any kernel at that place would cost (its dependency wait, launch and drain)
+and how much is the attention's own chain of loads, products, partials and merge. Here the step is
+timed with the paged decode (today's), then with a kernel that only waits for the one before and
+copies the query rows into the output (the same launch as a programmatic dependent, every query
+head; the tokens it makes are meaningless), alternating over ``--rounds`` rounds in one engine per
+point (model:batch:context, the greedy graph only).
+
+    python profiles/bench_attention_floor.py --json profiles/results/attention_floor_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+import graphrt.capture.graph_runner as graph_runner
+from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
+from graphrt.models.llama import LlamaAttention
+from graphrt.sampling_params import SamplingParams
+from graphrt.workload import decode_engine, fill_decode_batch
+
+POINTS = "random:smollm2-135m:1:512,random:llama-3.2-1b:1:512,random:llama-3-8b:1:512,random:llama-3.2-1b:1:4096"
+
+
+@triton.jit
+def _copy_query_kernel(q_ptr, out_ptr, stride_q, stride_out, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, ROW_PAD)
+    row = tl.load(q_ptr + seq * stride_q + columns, mask=columns < ROW)
+    tl.store(out_ptr + seq * stride_out + columns, row, mask=columns < ROW)
+
+
+def copy_query(out, query, *args, dependent_launch: bool = False, **kwargs):
+    """Stands in for ``paged_decode_attention(out [B, H, D], query [B, H, D], ...)``: out = query."""
+    batch, heads, size = query.shape
+    _copy_query_kernel[(batch,)](query, out, query.stride(0), out.stride(0), ROW=heads * size,
+                                 ROW_PAD=triton.next_power_of_2(heads * size), num_warps=4,
+                                 **launch_options(dependent_launch))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--points", default=POINTS, help="model:batch:context, comma-separated")
+    parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
+               "replays": args.replays, "rounds": args.rounds, "points": []}
+    for point in args.points.split(","):
+        model, batch_size, context = point.rsplit(":", 2)
+        batch_size, context = int(batch_size), int(context)
+        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
+        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
+        attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
+        today = attention[0]._decode
+        samples = {"paged_decode": [], "copy_query": []}
+        for round_index in range(args.rounds):
+            variants = [("paged_decode", today), ("copy_query", copy_query)]
+            for name, decode in variants if round_index % 2 == 0 else variants[::-1]:
+                for impl in attention:
+                    impl._decode = decode
+                samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
+        paged, copied = (statistics.median(samples[name]) for name in ("paged_decode", "copy_query"))
+        layers = len(attention)
+        entry = {"model": model, "batch_size": batch_size, "context": context, "layers": layers,
+                 "paged_decode_ms": round(paged, 4), "copy_query_ms": round(copied, 4),
+                 "attention_above_copy_us_per_layer": round((paged - copied) * 1e3 / layers, 2), "rounds_ms": samples}
+        results["points"].append(entry)
+        print(f"{point:34} paged decode {paged:.4f} ms, query copy in its place {copied:.4f} ms: "
+              f"{entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent kernel", flush=True)
+        engine = batch = attention = today = None
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
