@@ -16,19 +16,16 @@ point (model:batch:context, the greedy graph only).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import triton
 import triton.language as tl
+from step_sweep import capture_greedy_graphs_only, greedy_engine, parse_point, results_header, write_results
 
-import graphrt.capture.graph_runner as graph_runner
-from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
+from graphrt.bench import recaptured_replay_ms
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.models.llama import LlamaAttention
-from graphrt.sampling_params import SamplingParams
-from graphrt.workload import decode_engine, fill_decode_batch
 
 POINTS = "random:smollm2-135m:1:512,random:llama-3.2-1b:1:512,random:llama-3-8b:1:512,random:llama-3.2-1b:1:4096"
 
@@ -59,15 +56,11 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
-               "replays": args.replays, "rounds": args.rounds, "points": []}
+    capture_greedy_graphs_only()
+    results = results_header(replays=args.replays, rounds=args.rounds, points=[])
     for point in args.points.split(","):
-        model, batch_size, context = point.rsplit(":", 2)
-        batch_size, context = int(batch_size), int(context)
-        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
-        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
+        model, batch_size, context = parse_point(point)
+        engine, batch = greedy_engine(model, batch_size, context)
         attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
         today = attention[0]._decode
         samples = {"paged_decode": [], "copy_query": []}
@@ -87,9 +80,7 @@ def main() -> None:
               f"{entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent kernel", flush=True)
         engine = batch = attention = today = None
         torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,13 @@ and splits where short contexts leave SMs idle) on and off instead, alternating,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
+from step_sweep import capture_greedy_graphs_only, greedy_engine, parse_point, results_header, write_results
 
 import graphrt.attention.triton_paged_decode as paged_decode
-import graphrt.capture.graph_runner as graph_runner
-from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
-from graphrt.sampling_params import SamplingParams
-from graphrt.workload import decode_engine, fill_decode_batch
+from graphrt.bench import recaptured_replay_ms
 
 #: model:batch:context points the sweep times by default (batch 1 at context 512, experiment 21's).
 SWEEP_POINTS = "random:smollm2-135m:1:512,random:llama-3.2-1b:1:512,random:llama-3-8b:1:512"
@@ -71,10 +68,8 @@ def compare_rule(points: list[str], rounds: int, replays: int) -> list[dict]:
     entries = []
     rule_tile = paged_decode.SHORT_CONTEXT_TILE
     for point in points:
-        model, batch_size, context = point.rsplit(":", 2)
-        batch_size, context = int(batch_size), int(context)
-        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
-        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
+        model, batch_size, context = parse_point(point)
+        engine, batch = greedy_engine(model, batch_size, context)
         runner = engine.decode_runner
         samples, tokens = {"off": [], "on": []}, {}
         try:
@@ -109,22 +104,16 @@ def main() -> None:
     parser.add_argument("--compare-rule", action="store_true", help="time the short-context rule on and off")
     parser.add_argument("--points", help="model:batch:context, comma-separated (default: the mode's points)")
     args = parser.parse_args()
-    graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(torch.device("cuda")) / 1e9, 1),
-               "replays": args.replays, "rounds": args.rounds, "models": []}
+    capture_greedy_graphs_only()
+    results = results_header(replays=args.replays, rounds=args.rounds, models=[])
     if args.compare_rule:
         points = args.points or "random:smollm2-135m:8:512,random:llama-3.2-1b:8:512,random:llama-3-8b:8:512"
         results["points"] = compare_rule(points.split(","), args.rounds, args.replays)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_results(args.json, results)
         return
     for point in (args.points or SWEEP_POINTS).split(","):
-        model, batch_size, context = point.rsplit(":", 2)
-        batch_size, context = int(batch_size), int(context)
-        engine = decode_engine(model, "cuda", "auto", batch_size, context, enforce_eager=False)
-        batch = fill_decode_batch(engine, batch_size, context, SamplingParams(temperature=0.0))
+        model, batch_size, context = parse_point(point)
+        engine, batch = greedy_engine(model, batch_size, context)
         runner = engine.decode_runner
         variants = variants_for(context)
 
@@ -155,9 +144,7 @@ def main() -> None:
         apply(None)
         engine = batch = runner = None  # freed before the next model's engine
         torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,14 @@ kernel's tile is derived from the QKV entry (``qkv_tile``: half the outputs a pr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from step_sweep import capture_greedy_graphs_only, greedy_engine, results_header, write_results
 
-import graphrt.capture.graph_runner as graph_runner
-from graphrt.bench import measure_read_bandwidth, recaptured_replay_ms
+from graphrt.bench import recaptured_replay_ms
 from graphrt.kernels import gemv
-from graphrt.sampling_params import SamplingParams
-from graphrt.workload import decode_engine, fill_decode_batch
 
 #: model -> its matrices' MEASURED_TILES keys, most promising first (exposed times above their floors).
 MODELS = {
@@ -78,15 +75,11 @@ def main() -> None:
     unknown = [model for model in args.models.split(",") if model not in MODELS]
     if unknown:
         parser.error(f"no matrices listed for {', '.join(unknown)}; known: {', '.join(MODELS)}")
-    graph_runner.SAMPLING_MODES = ("greedy",)  # one graph a capture: the bench's
+    capture_greedy_graphs_only()
     original = dict(gemv.MEASURED_TILES)
-    device = torch.device("cuda")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "hbm_read_bandwidth_gbps": round(measure_read_bandwidth(device) / 1e9, 1), "replays": args.replays,
-               "rounds": args.rounds, "margin": args.margin, "models": []}
+    results = results_header(replays=args.replays, rounds=args.rounds, margin=args.margin, models=[])
     for model in args.models.split(","):
-        engine = decode_engine(model, "cuda", "auto", 1, args.context, enforce_eager=False)
-        batch = fill_decode_batch(engine, 1, args.context, SamplingParams(temperature=0.0))
+        engine, batch = greedy_engine(model, 1, args.context)
         runner = engine.decode_runner
 
         def step_ms(tiles: dict) -> tuple[float, list[int]]:
@@ -102,12 +95,13 @@ def main() -> None:
             key = MODELS[model][matrix]
             if time.perf_counter() > deadline:
                 break
-            timed = {}
+            timed, tiles = {}, {}
             for tile in candidates(key):
                 if time.perf_counter() > deadline:
                     break
                 ms, token = step_ms({key: tile})
-                timed[f"{tile.block_n}x{tile.block_k} w{tile.num_warps}"] = (round(ms, 4), token == baseline_token)
+                name = f"{tile.block_n}x{tile.block_k} w{tile.num_warps}"
+                timed[name], tiles[name] = (round(ms, 4), token == baseline_token), tile
             reference, _ = step_ms({})  # drift check between matrices
             entry["baselines_ms"].append(round(reference, 4))
             base = statistics.median(entry["baselines_ms"])
@@ -117,8 +111,7 @@ def main() -> None:
             print(f"{model:22} {matrix:8} current {vars(original[key])} step {base:.4f} ms; best {best_name} "
                   f"{best_ms:.4f} ms ({best_ms / base:.4f}x)", flush=True)
             if best_ms < base * (1 - args.margin):
-                n, k, w = best_name.replace("w", "").replace("x", " ").split()
-                winners[key] = gemv.TileConfig(int(n), int(k), int(w))
+                winners[key] = tiles[best_name]
         if winners:
             samples = {"current": [], "combined": []}
             for _ in range(args.rounds):
@@ -137,9 +130,7 @@ def main() -> None:
         gemv.MEASURED_TILES.update(original)
         engine = batch = runner = None  # freed before the next model's engine
         torch.cuda.empty_cache()
-        if args.json:  # after every model: a timeout keeps what was measured
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":
