@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from step_sweep import capture_greedy_graphs_only, greedy_engine, parse_point, results_header, write_results
 
+import attention.triton_paged_decode as paged_decode
 from graphrt.bench import recaptured_replay_ms
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.models.llama import LlamaAttention
@@ -49,6 +50,19 @@ def copy_query(out, query, *args, dependent_launch: bool = False, **kwargs):
     return out
 
 
+class _WithoutMerge:
+    """Stands in for ``_decode_split_kernel``: each launch compiled as if it had one split
+    (``SINGLE_SPLIT``), whatever its split count, so every split stores its normalised rows into ``out``
+    and none writes partials, counts in or merges."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**kwargs, "SINGLE_SPLIT": True})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -63,21 +77,30 @@ def main() -> None:
         engine, batch = greedy_engine(model, batch_size, context)
         attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
         today = attention[0]._decode
-        samples = {"paged_decode": [], "copy_query": []}
-        for round_index in range(args.rounds):
-            variants = [("paged_decode", today), ("copy_query", copy_query)]
-            for name, decode in variants if round_index % 2 == 0 else variants[::-1]:
-                for impl in attention:
-                    impl._decode = decode
-                samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
-        paged, copied = (statistics.median(samples[name]) for name in ("paged_decode", "copy_query"))
+        split_kernel = paged_decode._decode_split_kernel
+        variants = [("paged_decode", today, split_kernel), ("copy_query", copy_query, split_kernel),
+                    ("without_merge", today, _WithoutMerge(split_kernel))]
+        samples = {name: [] for name, _, _ in variants}
+        try:
+            for round_index in range(args.rounds):
+                for name, decode, kernel in variants if round_index % 2 == 0 else variants[::-1]:
+                    for impl in attention:
+                        impl._decode = decode
+                    paged_decode._decode_split_kernel = kernel
+                    samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
+        finally:
+            paged_decode._decode_split_kernel = split_kernel
+        paged, copied, unmerged = (statistics.median(samples[name]) for name, _, _ in variants)
         layers = len(attention)
         entry = {"model": model, "batch_size": batch_size, "context": context, "layers": layers,
                  "paged_decode_ms": round(paged, 4), "copy_query_ms": round(copied, 4),
-                 "attention_above_copy_us_per_layer": round((paged - copied) * 1e3 / layers, 2), "rounds_ms": samples}
+                 "without_merge_ms": round(unmerged, 4),
+                 "attention_above_copy_us_per_layer": round((paged - copied) * 1e3 / layers, 2),
+                 "merge_us_per_layer": round((paged - unmerged) * 1e3 / layers, 2), "rounds_ms": samples}
         results["points"].append(entry)
-        print(f"{point:34} paged decode {paged:.4f} ms, query copy in its place {copied:.4f} ms: "
-              f"{entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent kernel", flush=True)
+        print(f"{point:34} paged decode {paged:.4f} ms, without its merge {unmerged:.4f}, query copy in its place "
+              f"{copied:.4f}: {entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent "
+              f"kernel, of which the merge {entry['merge_us_per_layer']:.2f}", flush=True)
         engine = batch = attention = today = None
         torch.cuda.empty_cache()
         write_results(args.json, results)
