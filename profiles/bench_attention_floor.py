@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from step_sweep import capture_greedy_graphs_only, greedy_engine, parse_point, results_header, write_results
 
-import attention.triton_paged_decode as paged_decode
+import graphrt.attention.triton_paged_decode as paged_decode
 from graphrt.bench import recaptured_replay_ms
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.models.llama import LlamaAttention
