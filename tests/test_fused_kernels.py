@@ -351,3 +351,64 @@ def test_fused_kernels_on_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="fused_kernels=True needs a CUDA device"):
         LLM("random:tiny", device="cpu", fused_kernels=True, progress=False)
+
+
+# -- the one-token layer's attention partials, merged by its output projection ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_token_layer_merges_attention_splits_in_its_output_projection(dtype):
+    """A one-token decode layer (``forward_gemv``) over a 300-token context, the Triton attention split:
+    its output projection merges the splits' partials (``linear_gemv_merging``) and updates the residual
+    stream as when the attention kernel merges them itself (``o_proj_merges_splits = 0``)."""
+    from graphrt.attention import AttentionMetadata, TritonAttentionBackend
+    from graphrt.attention import triton_paged_decode
+    from graphrt.kernels import gemv
+    from graphrt.loader.random_presets import PRESETS
+    from graphrt.models.llama import LlamaDecoderLayer
+
+    config, block_size, context = PRESETS["tiny"], 16, 300
+    generator = torch.Generator().manual_seed(11)
+    rotary = RotaryEmbedding(config.head_dim, 512, config.rope_theta, config.rope_scaling, device=DEVICE)
+    layer = LlamaDecoderLayer(config, rotary, TritonAttentionBackend, dtype, DEVICE, fused_kernels=True)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            values = torch.randn(parameter.shape, generator=generator) * (0.2 if "norm" in name else 0.05)
+            parameter.copy_(values + (1.0 if "norm" in name else 0.0))
+    assert layer.o_proj_merges_splits >= 2
+    blocks = -(-context // block_size)
+    table = (torch.randperm(blocks + 3, generator=generator)[:blocks] + 1).tolist()
+    cache = torch.randn(2, blocks + 4, block_size * config.num_key_value_heads * config.head_dim,
+                        generator=generator).to(dtype).to(DEVICE)
+    hidden = torch.randn(1, config.hidden_size, generator=generator).to(dtype).to(DEVICE)
+    positions = torch.tensor([context - 1], device=DEVICE)
+    slot = table[(context - 1) // block_size] * block_size + (context - 1) % block_size
+
+    merging = []
+    linear_gemv_merging = gemv.linear_gemv_merging
+
+    def spy(partials, *args, **kwargs):
+        merging.append(partials.num_splits)
+        return linear_gemv_merging(partials, *args, **kwargs)
+
+    def run(merges_splits):
+        metadata = AttentionMetadata.from_seqlens(query_lens=[1], seq_lens=[context], num_prefills=0,
+                                                  block_tables=[table], slot_mapping=[slot], block_size=block_size,
+                                                  device=torch.device(DEVICE))
+        metadata.decode_workspace = triton_paged_decode.DecodeWorkspace.allocate(
+            1, config.num_attention_heads, config.head_dim, device=DEVICE)
+        layer.o_proj_merges_splits = merges_splits
+        return layer.forward_gemv(positions, hidden.clone(), None, cache.clone(), metadata)[1]
+
+    merges = layer.o_proj_merges_splits
+    gemv.linear_gemv_merging = spy
+    try:
+        merged_in_projection = run(merges)
+        merged_in_attention = run(0)
+    finally:
+        gemv.linear_gemv_merging = linear_gemv_merging
+    assert merging and merging[0] >= 2, "the attention did not hand its splits on"
+    assert len(merging) == 1, "the layer with o_proj_merges_splits = 0 merged in its projection"
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(merged_in_projection, merged_in_attention, **tolerance)
+    assert not torch.equal(merged_in_projection, hidden), "the layer left the residual stream as it was"
