@@ -63,7 +63,6 @@ class AttentionImpl(ABC):
         kv_scale: float = 1.0,
         kv_cache_written: bool = False,
         dependent_launch: bool = False,
-        leave_partials_up_to: int = 0,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and attend.
 
@@ -73,11 +72,7 @@ class AttentionImpl(ABC):
         stored this step's K/V (e.g. ``triton_rope_cache_write``, fused with the rotary embedding), so
         only attend. ``dependent_launch=True``: the caller's device supports programmatic dependent
         launch (``graphrt.kernels.dependent_launch``) and a backend may launch its decode kernels so;
-        backends without such kernels ignore it. ``leave_partials_up_to`` N > 0: the caller can merge
-        a split decode's partials itself (``graphrt.kernels.gemv.linear_gemv_merging``, up to N splits); a
-        backend whose decode kernel splits may then return its ``DecodePartials`` for a batch of decodes
-        only, unmerged, instead of the output (the Triton backend does; others ignore it). Returns
-        [T, H * D] in query's dtype, or such partials.
+        backends without such kernels ignore it. Returns [T, H * D] in query's dtype.
         """
 
 

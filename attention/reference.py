@@ -143,7 +143,7 @@ class ReferenceAttentionImpl(AttentionImpl):
     """float32 attention in plain torch: prefills one sequence at a time, decodes batched."""
 
     def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
-                kv_cache_written: bool = False, dependent_launch: bool = False, leave_partials_up_to: int = 0):
+                kv_cache_written: bool = False, dependent_launch: bool = False):
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         if kv_cache is not None and not kv_cache_written:

@@ -38,7 +38,7 @@ class TritonAttentionImpl(AttentionImpl):
         self._use_xformers = xformers_status().usable
 
     def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
-                kv_cache_written: bool = False, dependent_launch: bool = False, leave_partials_up_to: int = 0):
+                kv_cache_written: bool = False, dependent_launch: bool = False):
         num_tokens = query.shape[0]
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         if kv_cache is not None and not kv_cache_written:
@@ -56,16 +56,12 @@ class TritonAttentionImpl(AttentionImpl):
         if decode is not None:
             if kv_cache is None:
                 raise ValueError("decoding needs a KV cache")
-            decoded = self._decode(
+            self._decode(
                 out[num_prefill_tokens:], q[num_prefill_tokens:], kv_cache, decode.block_tables,
                 decode.seq_lens_tensor, decode.max_decode_seq_len, self.scale, kv_heads, decode.block_size,
                 workspace=attn_metadata.decode_workspace, alibi_slopes=alibi, sliding_window=self.sliding_window,
                 k_scale=kv_scale, v_scale=kv_scale, dependent_launch=dependent_launch,
-                # Partials are handed on only for a batch of decodes alone: a prefill's rows are in out.
-                leave_partials_up_to=0 if prefill is not None else leave_partials_up_to,
             )
-            if not isinstance(decoded, torch.Tensor):
-                return decoded  # DecodePartials for the caller to merge
         return out.view(num_tokens, heads * size)
 
     def _run_prefill(self, q, k, v, kv_cache, prefill: AttentionMetadata, alibi, kv_scale, out) -> None:

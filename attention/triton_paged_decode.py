@@ -15,9 +15,7 @@ its (sequence, kv head): the split that arrives last merges the group's partials
 sets the counter back to zero for the next launch. Only the splits whose slice holds keys at the live
 length take part (a graph captured for long contexts runs short sequences with most slices empty); a
 lone live split writes ``out`` directly. One kernel per attention call, not a split kernel and
-a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time. Where the
-next kernel can merge the partials as it reads them (the batch-1 output projection), the splits leave
-them there instead (``DecodePartials``): no arrival count, no merge, no ``out``.
+a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time.
 
 CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` and the K/V tile chosen on the host
 from the batch size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the
@@ -244,45 +242,6 @@ class DecodeWorkspace:
         return self.max_logits.shape[2]
 
 
-@dataclass(frozen=True)
-class DecodePartials:
-    """A paged decode's per-split results left for the next kernel to merge (``paged_decode_attention``
-    with ``leave_partials_up_to``): the batch-1 output projection merges them as it reads its input
-    (``graphrt.kernels.gemv.linear_gemv_merging``), which saves the split kernel's arrival count and
-    merge, two dependent round trips on the step's critical path.
-
-    max_logits, exp_sums: the workspace's [max_batch, H, max_splits] float32 (base-2 logits; splits past
-    the live length hold -inf and 0); partial_out: [max_batch, H, max_splits, D] float32, unnormalised.
-    Rows ``0 .. batch`` and splits ``0 .. num_splits`` hold this launch's values; the attention output
-    they make is ``merged()``, [batch, H * D] in ``dtype``.
-    """
-
-    max_logits: torch.Tensor
-    exp_sums: torch.Tensor
-    partial_out: torch.Tensor
-    batch: int
-    num_splits: int
-    dtype: torch.dtype
-
-    @property
-    def num_heads(self) -> int:
-        return self.partial_out.shape[1]
-
-    @property
-    def head_size(self) -> int:
-        return self.partial_out.shape[3]
-
-    def merged(self) -> torch.Tensor:
-        """The attention output [batch, H * D] in ``dtype``, merged by torch ops (tests, and callers that
-        cannot merge in a kernel of their own)."""
-        rows, splits = slice(0, self.batch), slice(0, self.num_splits)
-        m = self.max_logits[rows, :, splits]
-        weight = torch.where(m > float("-inf"), torch.exp2(m - m.amax(dim=2, keepdim=True)), 0.0)
-        denom = (self.exp_sums[rows, :, splits] * weight).sum(dim=2)
-        out = (self.partial_out[rows, :, splits] * weight[..., None]).sum(dim=2) / denom[..., None]
-        return out.to(self.dtype).reshape(self.batch, self.num_heads * self.head_size)
-
-
 @triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, H, D]
@@ -317,7 +276,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write ``out`` directly
-    LEAVE_PARTIALS: tl.constexpr,  # every split stores its partials; the next kernel merges (no ``out``)
     GROUP_MERGE: tl.constexpr,  # GROUP padded to a power of two (the merge's head tile)
     SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
     SPLITS_CHUNK: tl.constexpr,  # splits the merge loads at once (bounds its registers)
@@ -400,14 +358,7 @@ def _decode_split_kernel(
     acc = acc * v_scale
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     out_mask = row_ok[:, None] & dim_ok[None, :]
-    if LEAVE_PARTIALS:
-        # The consumer (the batch-1 output projection, graphrt.kernels.gemv) merges the splits as it
-        # reads them. Splits past the live range store too: their max of -inf weighs them out there.
-        stat = seq.to(tl.int64) * stride_wb + heads * stride_wh + split
-        tl.store(m_ptr + stat, m_i, mask=row_ok)
-        tl.store(l_ptr + stat, l_i, mask=row_ok)
-        tl.store(acc_ptr + stat[:, None] * HEAD_SIZE + dims[None, :], acc, mask=out_mask)
-    elif SINGLE_SPLIT:
+    if SINGLE_SPLIT:
         # The whole live range was one slice: seq_len >= 1 guarantees l_i > 0.
         tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -528,8 +479,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     fp8_dot_f16: bool = False,
     dependent_launch: bool = False,
-    leave_partials_up_to: int = 0,
-) -> torch.Tensor | DecodePartials:
+) -> torch.Tensor:
     """Attend one query token per sequence over its paged K/V; writes and returns ``out``.
 
     out: [B, H, D] (query's dtype or any float dtype; written in place); query: [B, H, D] fp16, bf16 or
@@ -545,10 +495,7 @@ def paged_decode_attention(
     ``config`` override the host heuristics (tests, tuning); ``fp8_dot_f16=True`` runs an fp8 cache's
     products in fp16 instead of the query dtype (13 % faster on the H200; see the profiling notes).
     ``dependent_launch``: launch the kernel as a programmatic dependent of the kernel before it (see
-    ``graphrt.kernels.dependent_launch``). ``leave_partials_up_to`` N: when the launch takes 2 to N
-    splits, every split stores its partials in the workspace and nothing merges them here: returns
-    ``DecodePartials`` for the next kernel to merge, ``out`` left unwritten (the caller's output
-    projection merges up to N; see ``DecodePartials``).
+    ``graphrt.kernels.dependent_launch``).
     """
     batch, num_heads, head_size = query.shape
     if out.shape != query.shape:
@@ -600,9 +547,7 @@ def paged_decode_attention(
             )
         m_buf, l_buf, acc_buf = workspace.max_logits, workspace.exp_sums, workspace.partial_out
         arrivals = workspace.arrivals
-        leave_partials = num_splits <= leave_partials_up_to
     else:
-        leave_partials = False
         m_buf = l_buf = acc_buf = out  # not touched by the single-split path
         arrivals = seq_lens
     head_pad = triton.next_power_of_2(head_size)
@@ -642,7 +587,6 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
-        LEAVE_PARTIALS=leave_partials,
         GROUP_MERGE=group_merge,
         SPLITS_PAD=splits_pad,
         SPLITS_CHUNK=max(1, min(splits_pad, _MERGE_TILE_ELEMENTS // (group_merge * head_pad))),
@@ -655,14 +599,11 @@ def paged_decode_attention(
         num_stages=cfg.num_stages,
         **launch_options(dependent_launch),
     )
-    if leave_partials:
-        return DecodePartials(m_buf, l_buf, acc_buf, batch, num_splits, out.dtype)
     return out
 
 
 __all__ = [
     "DecodeConfig",
-    "DecodePartials",
     "DecodeWorkspace",
     "MAX_SPLITS",
     "choose_launch",

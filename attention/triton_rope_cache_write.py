@@ -170,8 +170,7 @@ def _qkv_rope_cache_kernel(
         first_bias = tl.load(bias_ptr + first_cols).to(tl.float32)
         second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
     first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
-                                         x_row, x_row, x_row, x_row, 0, 0, K, eps, NORM, True, False, BLOCK_K,
-                                         NORM_BLOCK, 0, 1, PDL, dtype)
+                                         x_row, K, eps, NORM, True, False, BLOCK_K, NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         first += first_bias
         second += second_bias

@@ -1,21 +1,14 @@
-"""What the batch-1 attention costs in the decode step above a bare dependent kernel in its place, and
-what its split merge costs where it runs.
+"""What the batch-1 attention costs in the decode step above a bare dependent kernel in its place.
 
 ``graphrt profile``'s exposed times put the batch-1 attention at 4.9-7.5 us a layer (SmolLM2, 1B,
 8B at context 512; profiles/notes_fusion.md, experiment 21) while the O projection after it, a
 kernel of ~1 MB, adds ~1.5 us. Whether a faster attention is worth a redesign depends on how much
 of those microseconds any kernel at that place would cost (its dependency wait, launch and drain)
-and how much is the attention's own chain of loads, products, partials and merge. Variants, each the
-whole captured step, alternating over ``--rounds`` rounds in one engine per point (model:batch:context,
-the greedy graph only):
-
-* ``attention_merges``: the paged decode merging its own splits (arrival count, last split merges);
-* ``o_proj_merges``: the splits left as partials for the output projection to merge as it reads them
-  (``LlamaDecoderLayer.o_proj_merges_splits``, graphrt's default where the split count allows);
-* ``without_merge``: the split pass alone, its merge compiled out (every split writes its own
-  normalised rows into the output: no partials, count or merge; meaningless tokens);
-* ``copy_query``: a kernel that only waits for the one before and copies the query rows into the
-  output in the attention's place (meaningless tokens).
+and how much is the attention's own chain of loads, products, partials and merge. Here the step is
+timed with the paged decode (today's), then with a kernel that only waits for the one before and
+copies the query rows into the output (the same launch as a programmatic dependent, every query
+head; the tokens it makes are meaningless), alternating over ``--rounds`` rounds in one engine per
+point (model:batch:context, the greedy graph only).
 
     python profiles/bench_attention_floor.py --json profiles/results/attention_floor_h200.json
 """
@@ -33,7 +26,7 @@ from step_sweep import capture_greedy_graphs_only, greedy_engine, parse_point, r
 import graphrt.attention.triton_paged_decode as paged_decode
 from graphrt.bench import recaptured_replay_ms
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
-from graphrt.models.llama import LlamaDecoderLayer
+from graphrt.models.llama import LlamaAttention
 
 POINTS = "random:smollm2-135m:1:512,random:llama-3.2-1b:1:512,random:llama-3-8b:1:512,random:llama-3.2-1b:1:4096"
 
@@ -82,34 +75,33 @@ def main() -> None:
     for point in args.points.split(","):
         model, batch_size, context = parse_point(point)
         engine, batch = greedy_engine(model, batch_size, context)
-        layers = [module for module in engine.model.modules() if isinstance(module, LlamaDecoderLayer)]
-        today, merges = layers[0].self_attn.attn._decode, layers[0].o_proj_merges_splits
+        attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
+        today = attention[0]._decode
         split_kernel = paged_decode._decode_split_kernel
-        # name: (the attention's decode function, its split kernel, splits the O projection merges)
-        variants = {"attention_merges": (today, split_kernel, 0), "o_proj_merges": (today, split_kernel, merges),
-                    "without_merge": (today, _WithoutMerge(split_kernel), 0), "copy_query": (copy_query, split_kernel, 0)}
-        samples = {name: [] for name in variants}
+        variants = [("paged_decode", today, split_kernel), ("copy_query", copy_query, split_kernel),
+                    ("without_merge", today, _WithoutMerge(split_kernel))]
+        samples = {name: [] for name, _, _ in variants}
         try:
             for round_index in range(args.rounds):
-                order = list(variants) if round_index % 2 == 0 else list(variants)[::-1]
-                for name in order:
-                    decode, paged_decode._decode_split_kernel, merging = variants[name]
-                    for layer in layers:
-                        layer.self_attn.attn._decode, layer.o_proj_merges_splits = decode, merging
+                for name, decode, kernel in variants if round_index % 2 == 0 else variants[::-1]:
+                    for impl in attention:
+                        impl._decode = decode
+                    paged_decode._decode_split_kernel = kernel
                     samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
         finally:
             paged_decode._decode_split_kernel = split_kernel
-        median = {name: statistics.median(times) for name, times in samples.items()}
-        per_layer = {name: (median[name] - median["copy_query"]) * 1e3 / len(layers) for name in variants}
-        entry = {"model": model, "batch_size": batch_size, "context": context, "layers": len(layers),
-                 "o_proj_merges_splits": merges, **{f"{name}_ms": round(median[name], 4) for name in variants},
-                 **{f"{name}_above_copy_us_per_layer": round(per_layer[name], 2) for name in variants},
-                 "rounds_ms": samples}
+        paged, copied, unmerged = (statistics.median(samples[name]) for name, _, _ in variants)
+        layers = len(attention)
+        entry = {"model": model, "batch_size": batch_size, "context": context, "layers": layers,
+                 "paged_decode_ms": round(paged, 4), "copy_query_ms": round(copied, 4),
+                 "without_merge_ms": round(unmerged, 4),
+                 "attention_above_copy_us_per_layer": round((paged - copied) * 1e3 / layers, 2),
+                 "merge_us_per_layer": round((paged - unmerged) * 1e3 / layers, 2), "rounds_ms": samples}
         results["points"].append(entry)
-        above = ", ".join(f"{name} {per_layer[name]:.2f}" for name in variants if name != "copy_query")
-        print(f"{point:34} " + ", ".join(f"{name} {median[name]:.4f} ms" for name in variants)
-              + f" | us a layer above the copy: {above}", flush=True)
-        engine = batch = layers = today = None
+        print(f"{point:34} paged decode {paged:.4f} ms, without its merge {unmerged:.4f}, query copy in its place "
+              f"{copied:.4f}: {entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent "
+              f"kernel, of which the merge {entry['merge_us_per_layer']:.2f}", flush=True)
+        engine = batch = attention = today = None
         torch.cuda.empty_cache()
         write_results(args.json, results)
 

@@ -7,7 +7,7 @@
 # the decode runner and engine), tests-sampling (the samplers'), profile-8b (the 8B's batch-1 step with
 # plain and dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
 # few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
-# counts at head size 64), step-tiles and step-attention (tiles and split counts timed inside the step), attention-floor (the attention's merge in its kernel, in the O projection, none, and a bare kernel in its place), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
+# counts at head size 64), step-tiles and step-attention (tiles and split counts timed inside the step), attention-floor (the attention against a bare kernel in its place), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
 # kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
 set -uo pipefail
 OUT=${OUT:-h200_out}
@@ -107,7 +107,7 @@ for stage in $stages; do
       python profiles/bench_step_tiles.py --json "$OUT/step_tiles.json"
       ;;
     attention-floor)
-      log "the batch-1 step: the attention merging its splits, the O projection merging them, no merge, a bare kernel"
+      log "the batch-1 step with the paged decode against a bare dependent kernel in its place"
       python profiles/bench_attention_floor.py --json "$OUT/attention_floor.json"
       ;;
     step-attention)

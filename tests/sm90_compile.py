@@ -38,27 +38,23 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048,
-              merge_splits: int = 0, head_size: int = 64) -> dict:
+def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048) -> dict:
     """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
     "norm", "norm_silu", "silu" or "add" (as tests/test_gemv.py names them); ``config`` a
-    ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``); ``merge_splits``
-    > 0: the row merged from that many (padded) attention splits of ``head_size`` (``linear_gemv_merging``)."""
+    ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``)."""
     from graphrt.kernels import gemv
 
     pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
-    pointers.update({arg: "*fp32" for arg in ("m_ptr", "l_ptr", "partial_ptr")})
-    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "stride_stats", "splits_stride",
-                                       "num_splits", "N", "K")}
+    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "silu": gemv.EPILOGUE_SILU_MUL,
                 "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
-                      MERGE_SPLITS=merge_splits, HEAD_SIZE=head_size if merge_splits else 1, PDL=pdl)
+                      PDL=pdl)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched
-                aligned_ints=[arg for arg in integers if arg != "num_splits"])  # the presets' widths: multiples of 16
+                aligned_ints=list(integers))  # the presets' widths are multiples of 16
 
 
 def _compile(case: dict) -> dict:

@@ -45,23 +45,17 @@ def _cases(pdl: bool) -> list[dict]:
                   "stride_cache_kind": "i64", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                  dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, HEADS_BLOCK=32, HALF_BLOCK=32, WRITE_CACHE=True,
                       QUANTIZE=False, PDL=pdl))
-    split_signature = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+    split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
+                  {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                    "alibi_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                    "arrivals_ptr": "*i32",
                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kv_token", "stride_bt", "stride_ob",
                                          "stride_oh", "stride_wb", "stride_wh", "stride_arrivals", "window",
                                          "num_splits")},
-                   "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"}
-    split_constexprs = dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
-                            SINGLE_SPLIT=False, LEAVE_PARTIALS=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16,
-                            USE_ALIBI=False, USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False,
-                            PDL=pdl)
-    split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel", split_signature,
-                  split_constexprs)
-    # The batch-1 pair that hands the splits on: partials left by the attention, merged by the O projection.
-    split_partials = _case("decode-split-partials", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
-                           split_signature, {**split_constexprs, "LEAVE_PARTIALS": True})
-    gemv_merging = gemv_case("gemv-merging", "bf16", "add", general_config(2048), pdl, 2048, 8, 64)
+                   "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
+                  dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
+                       SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
+                       USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
     qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
                      {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
                       "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
@@ -69,7 +63,7 @@ def _cases(pdl: bool) -> list[dict]:
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
-    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_partials, gemv_merging, qkv_rope]
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -93,8 +87,6 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     # The residual addend is written by the step's kernels: read after the wait, like x; a bias is static.
     plain = loads_first.pop("gemv-plain")
     assert loads_first.pop("gemv-add") == plain > 0
-    # The merging launch's row is the attention's partials, which the step writes: after the wait too.
-    assert loads_first.pop("gemv-merging") == plain
     assert loads_first.pop("gemv-bias") > plain
     # Its first weight slice (both halves of its channels), the position, rotary rows and slot.
     assert loads_first.pop("qkv-rope-cache") > 0

@@ -160,121 +160,6 @@ def test_linear_gemv_rejects_bad_shapes():
         gemv.linear_gemv(x, weight, torch.zeros(64, device=DEVICE)[::2])
 
 
-# -- the output projection merging the attention's split partials ---------------------------------------
-
-
-def random_partials(rows, heads, head_size, splits, capacity, dtype, seed):
-    """DecodePartials of ``splits`` splits in a workspace of ``capacity`` (one row more than used): fresh
-    random maxima, sums and outputs, row 0's last split empty (-inf, 0, as a split past the live length
-    stores), and every value outside the launch's rows and splits NaN (read, it would show)."""
-    from graphrt.attention.triton_paged_decode import DecodePartials
-
-    gen = torch.Generator().manual_seed(seed)
-    shape = (rows + 1, heads, capacity)
-    m = torch.full(shape, float("nan"))
-    l, partial = m.clone(), torch.full(shape + (head_size,), float("nan"))
-    m[:rows, :, :splits] = torch.randn(rows, heads, splits, generator=gen) * 3
-    l[:rows, :, :splits] = torch.rand(rows, heads, splits, generator=gen) * 20 + 0.5
-    partial[:rows, :, :splits] = torch.randn(rows, heads, splits, head_size, generator=gen) * 5
-    if splits > 1:
-        m[0, :, splits - 1], l[0, :, splits - 1], partial[0, :, splits - 1] = float("-inf"), 0.0, 0.0
-    return DecodePartials(m.to(DEVICE), l.to(DEVICE), partial.to(DEVICE), rows, splits, dtype)
-
-
-def merged_in_float64(partials):
-    """The attention output the partials make, [rows, H * D], merged in float64, rounded to the model dtype."""
-    rows, splits = slice(0, partials.batch), slice(0, partials.num_splits)
-    m = partials.max_logits[rows, :, splits].double()
-    weight = torch.exp2(m - m.amax(dim=2, keepdim=True))
-    out = (partials.partial_out[rows, :, splits].double() * weight[..., None]).sum(2)
-    out = out / (partials.exp_sums[rows, :, splits].double() * weight).sum(2)[..., None]
-    return out.reshape(partials.batch, -1).to(partials.dtype)
-
-
-def check_merging(variant, rows, heads, head_size, splits, out_features, dtype, seed, config=None):
-    """``linear_gemv_merging`` against the float64 reference of the merged row: each merged input may
-    sit one rounding away (float32 merge), allowed as the norm's moved inputs are."""
-    partials = random_partials(rows, heads, head_size, splits, 8, dtype, seed)
-    x = merged_in_float64(partials)
-    in_features = heads * head_size
-    weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
-    bias = _randn(out_features, dtype=dtype, seed=seed + 2) if variant == "bias" else None
-    residual = _randn(rows, out_features, dtype=dtype, seed=seed + 4) if variant == "add" else None
-    expected, product, largest_term = reference(variant, x, weight, bias, None, residual)
-    out = residual.clone() if variant == "add" else torch.full((rows, out_features), float("nan"), dtype=dtype,
-                                                               device=DEVICE)
-    epilogue = gemv.EPILOGUE_ADD_TO_OUT if variant == "add" else gemv.EPILOGUE_STORE
-    got = gemv.linear_gemv_merging(partials, weight, bias, epilogue=epilogue, out=out, config=config)
-    assert got.data_ptr() == out.data_ptr()
-    assert not got.isnan().any(), "an output element was never written, or a value outside the launch was read"
-    allowed = allowed_error(variant, expected, product, largest_term, in_features, dtype)
-    allowed = allowed + UNIT[dtype] * (4 + in_features // 1024) * largest_term
-    excess = (got.double() - expected.double()).abs() - allowed
-    assert excess.max() <= 0, f"{int((excess > 0).sum())} of {excess.numel()} elements off"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("variant", ["plain", "bias", "add"])
-@pytest.mark.parametrize("rows,heads,head_size,splits,out_features", [
-    (1, 3, 64, 2, 40), (2, 2, 80, 3, 24), (1, 4, 32, 8, 20), (1, 1, 256, 5, 16),
-])
-def test_output_projection_merges_split_partials(variant, rows, heads, head_size, splits, out_features, dtype):
-    """Odd head sizes (80: heads straddle the K slices), odd split counts (padded), an empty split."""
-    check_merging(variant, rows, heads, head_size, splits, out_features, dtype, seed=splits * 10 + heads)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("variant", ["plain", "add"])
-@pytest.mark.parametrize("splits", [2, 5, 8])
-@pytest.mark.parametrize("heads,head_size,out_features", [(9, 64, 576), (32, 64, 2048), (32, 128, 4096)])
-def test_output_projection_merges_split_partials_grid_gpu(variant, heads, head_size, splits, out_features, dtype):
-    """The presets' output projections (SmolLM2, Llama-3.2-1B, Llama-3-8B) merging up to the 8 splits their
-    batch-1 attention leaves at short contexts."""
-    check_merging(variant, 1, heads, head_size, splits, out_features, dtype, seed=splits + out_features)
-
-
-def test_merging_launch_shortens_k_slices_to_fit_its_registers(monkeypatch):
-    """A tile whose K slice cannot hold the splits' partials within the register budget merges over
-    shorter slices (several a row), and one that would need more slices than two or its own count is
-    refused, naming the limit."""
-    monkeypatch.setattr(gemv, "_MERGE_VALUES_PER_THREAD", 1)  # 32 values a program at one warp
-    whole, quarter = gemv.TileConfig(8, 64, 1), gemv.TileConfig(8, 16, 1)
-    assert gemv.merging_config(whole, 64, 1) == gemv.TileConfig(8, 32, 1)  # two slices
-    assert gemv.merging_config(whole, 64, 2) is None  # four slices where the tile takes one
-    assert gemv.merging_config(quarter, 64, 2) == quarter  # its own four slices
-    assert gemv.merging_config(quarter, 64, 4) is None
-    check_merging("add", 2, 2, 32, 2, 24, torch.float32, seed=3, config=quarter)  # half a head a slice
-    check_merging("plain", 1, 2, 32, 1, 24, torch.float32, seed=4, config=whole)
-    with pytest.raises(ValueError, match="merge 1 to 1"):
-        check_merging("plain", 1, 2, 32, 2, 24, torch.float32, seed=3, config=whole)
-
-
-def test_mergeable_splits_of_the_presets_o_projections():
-    """What the batch-1 path lets the attention leave unmerged (gemv._MERGE_VALUES_PER_THREAD): SmolLM2's
-    O merges 16 splits (its 1024-deep slice halved), the 1B's and the 8B's 8; fp32 weights take the
-    general tile."""
-    assert gemv.mergeable_splits(576, 576) == 16
-    assert gemv.mergeable_splits(2048, 2048) == 8
-    assert gemv.merging_config(gemv.default_config(2048, 2048), 2048, 8) == gemv.TileConfig(8, 1024, 8)
-    assert gemv.mergeable_splits(4096, 4096) == 8
-    assert gemv.mergeable_splits(4096, 4096, element_size=4) == 8
-
-
-def test_merging_launch_rejects_bad_operands():
-    partials = random_partials(1, 2, 32, 2, 4, torch.float32, seed=0)
-    weight = _randn(16, 64, dtype=torch.float32, seed=1)
-    with pytest.raises(ValueError, match="epilogue"):
-        gemv.linear_gemv_merging(partials, weight, epilogue=gemv.EPILOGUE_SILU_MUL)
-    with pytest.raises(ValueError, match="weight"):
-        gemv.linear_gemv_merging(partials, weight[:, :32].contiguous())
-    with pytest.raises(ValueError, match="needs out"):
-        gemv.linear_gemv_merging(partials, weight, epilogue=gemv.EPILOGUE_ADD_TO_OUT)
-    with pytest.raises(ValueError, match="out"):
-        gemv.linear_gemv_merging(partials, weight, out=torch.empty(1, 15, device=DEVICE))
-
-
 # -- the GPU compiler's view, checked without a GPU -----------------------------------------------------
 
 
@@ -292,12 +177,6 @@ def _sm90_cases():
         for variant in ["norm_silu"] if silu else ["norm", "add"]:
             cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True,
                                    in_features))
-    # The presets' output projections merging as many attention splits as they take.
-    for rows, in_features, head_size in [(576, 576, 64), (2048, 2048, 64), (4096, 4096, 128)]:
-        splits = gemv.mergeable_splits(in_features, rows)
-        config = gemv.merging_config(gemv.default_config(in_features, rows), in_features, splits)
-        cases.append(gemv_case(f"merge{splits}-bf16-{rows}x{in_features}-dependent", "bf16", "add", config, True,
-                               in_features, splits, head_size))
     return cases
 
 

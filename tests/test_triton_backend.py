@@ -50,45 +50,6 @@ def test_mixed_step_matches_reference(num_heads, num_kv_heads, window):
     torch.testing.assert_close(our_cache[:, 1:], expected_cache[:, 1:], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("prefill", [False, True])
-def test_decode_partials_are_handed_on_only_for_decodes_alone(prefill):
-    """``leave_partials_up_to``: a batch of decodes alone, split over a 300-token context, comes back as
-    the decode kernel's partials, which merge to the reference output; a step with a prompt in it comes
-    back as the output (the prompt's rows are in it), still matching the reference."""
-    from graphrt.attention.triton_paged_decode import DecodePartials
-
-    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 64, 16, 32
-    generator = torch.Generator().manual_seed(7 + prefill)
-    context_lens, query_lens = ([0] if prefill else []) + [299], ([4] if prefill else []) + [1]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (c, n) in enumerate(zip(context_lens, seq_lens)) for p in range(c, n)]
-    tokens = sum(query_lens)
-    cache = torch.randn(2, num_blocks, block_size * num_kv_heads * head_size, generator=generator)
-    query, key, value = (torch.randn(tokens, heads * head_size, generator=generator)
-                         for heads in (num_heads, num_kv_heads, num_kv_heads))
-
-    def run(backend, **kwargs):
-        metadata = AttentionMetadata.from_seqlens(
-            query_lens=query_lens, seq_lens=seq_lens, num_prefills=int(prefill), block_tables=tables,
-            slot_mapping=slots, block_size=block_size, device=DEVICE,
-        )
-        impl = backend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
-        return impl.forward(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), cache.clone().to(DEVICE), metadata,
-                            **kwargs)
-
-    expected = run(ReferenceAttentionBackend, leave_partials_up_to=8)
-    ours = run(TritonAttentionBackend, leave_partials_up_to=8)
-    if prefill:
-        assert isinstance(ours, torch.Tensor)
-    else:
-        assert isinstance(ours, DecodePartials) and ours.num_splits >= 2
-        ours = ours.merged()
-    torch.testing.assert_close(ours.cpu(), expected.cpu(), rtol=2e-3, atol=2e-3)
-
-
 def test_triton_backend_needs_cuda():
     reason = TritonAttentionBackend.unusable_reason(torch.device("cpu"))
     assert "CUDA" in reason

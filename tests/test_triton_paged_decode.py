@@ -102,7 +102,7 @@ def reference(case: Case, inputs) -> torch.Tensor:
     return torch.stack(outs)
 
 
-def run_kernel(case: Case, inputs, out=None, workspace=None, leave_partials_up_to=0):
+def run_kernel(case: Case, inputs, out=None, workspace=None) -> torch.Tensor:
     if out is None:
         out = torch.full_like(inputs["query"], float("nan"))  # poisoned: every element must be written
     return tpd.paged_decode_attention(
@@ -111,7 +111,6 @@ def run_kernel(case: Case, inputs, out=None, workspace=None, leave_partials_up_t
         workspace=workspace, alibi_slopes=inputs["alibi_slopes"], sliding_window=case.window,
         k_scale=inputs["k_scale"], v_scale=inputs["v_scale"], num_splits=case.num_splits,
         config=None if case.block_n is None else tpd.DecodeConfig(block_n=case.block_n, num_warps=4, num_stages=3),
-        leave_partials_up_to=leave_partials_up_to,
     )
 
 
@@ -235,42 +234,6 @@ def test_last_split_merges_and_leaves_the_workspace_ready():
         assert relative_error(out, reference(case, inputs)) < TOLERANCE[case.dtype]
         assert not workspace.arrivals.any(), workspace.arrivals
         assert not workspace.max_logits[0, :, :6].isnan().any()  # the first row merged six partials
-
-
-@pytest.mark.parametrize("seq_lens,splits,max_seq_len", [([100, 12], 4, None), ([1, 17, 40], 8, 512)])
-def test_partials_left_for_the_next_kernel_merge_to_the_output(seq_lens, splits, max_seq_len):
-    """``leave_partials_up_to``: a launch of 2 to N splits stores every split's partials (a split past the
-    live length too, with a max of -inf and a sum of 0), counts nothing in, merges nothing and leaves
-    out alone; merged, the partials are the attention output. With more splits than N the kernel merges
-    them itself as before."""
-    case = Case(len(seq_lens), 4, 2, 64, 16, seq_lens, torch.float16, num_splits=splits, max_seq_len=max_seq_len,
-                block_n=16)
-    workspace = tpd.DecodeWorkspace.allocate(3, 4, 64, max_splits=8, device=DEVICE)
-    for stat in (workspace.max_logits, workspace.exp_sums, workspace.partial_out):
-        stat.fill_(float("nan"))
-    inputs = make_inputs(case, seed=41)
-    ref = reference(case, inputs)
-    out = torch.full_like(inputs["query"], float("nan"))
-    partials = run_kernel(case, inputs, out=out, workspace=workspace, leave_partials_up_to=splits)
-    assert isinstance(partials, tpd.DecodePartials)
-    assert (partials.batch, partials.num_splits, partials.num_heads, partials.head_size) == (len(seq_lens), splits, 4, 64)
-    assert out.isnan().all(), "the partials' launch wrote out"
-    assert not workspace.max_logits[:len(seq_lens), :, :splits].isnan().any(), "a split left no partials"
-    assert not workspace.arrivals.any()
-    merged = partials.merged()
-    assert merged.dtype == case.dtype and merged.shape == (len(seq_lens), 4 * 64)
-    assert relative_error(merged.view_as(ref), ref) < TOLERANCE[case.dtype]
-    merged_here = run_kernel(case, inputs, workspace=workspace, leave_partials_up_to=splits - 1)
-    assert isinstance(merged_here, torch.Tensor)
-    assert relative_error(merged_here, ref) < TOLERANCE[case.dtype]
-
-
-def test_one_split_writes_out_even_when_partials_may_be_left():
-    case = Case(1, 4, 2, 64, 16, [30], torch.float16, num_splits=1)
-    inputs = make_inputs(case, seed=42)
-    out = run_kernel(case, inputs, leave_partials_up_to=8)
-    assert isinstance(out, torch.Tensor)
-    assert relative_error(out, reference(case, inputs)) < TOLERANCE[case.dtype]
 
 
 def test_workspace_is_required_in_size():

@@ -91,28 +91,6 @@ def _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM: tl.constexpr, dtype: tl.
 
 
 @triton.jit
-def _merged_slice(m_row, l_row, partial_row, k_cols, K, splits_stride, num_splits, MERGE_SPLITS: tl.constexpr,
-                  HEAD_SIZE: tl.constexpr, dtype: tl.constexpr):
-    """The row's K slice ``k_cols`` ([1, BLOCK_K]) as float32 when the row is a paged decode's split
-    partials (``graphrt.attention.triton_paged_decode.DecodePartials``, one row's [H, splits] maxima
-    ``m_row`` and sums ``l_row``, [H, splits, HEAD_SIZE] outputs ``partial_row``, heads ``splits_stride``
-    apart): the splits merged as the decode kernel's own merge does, rounded to dtype as its output
-    tensor is. All splits' loads go out at once, a [MERGE_SPLITS, BLOCK_K] tile."""
-    split = tl.arange(0, MERGE_SPLITS)[:, None]
-    stat = (k_cols // HEAD_SIZE) * splits_stride + split  # [MERGE_SPLITS, BLOCK_K]
-    loaded = (split < num_splits) & (k_cols < K)
-    m = tl.load(m_row + stat, mask=loaded, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_row + stat, mask=loaded, other=0.0, cache_modifier=".cg")
-    partial = tl.load(partial_row + stat * HEAD_SIZE + k_cols % HEAD_SIZE, mask=loaded, other=0.0,
-                      cache_modifier=".cg")
-    m_all = tl.max(m, axis=0, keep_dims=True)  # finite for real columns: split 0 always holds keys
-    weight = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    x = tl.sum(partial * weight, axis=0, keep_dims=True) / tl.sum(l * weight, axis=0, keep_dims=True)
-    x = tl.where(k_cols < K, x, 0.0)  # columns past K merged nothing (0 / 0)
-    return round_to(x, dtype).to(tl.float32)
-
-
-@triton.jit
 def row_products(
     x_row,  # the row's first element (with NORM: the residual stream, normalised here)
     w_ptr,
@@ -122,11 +100,6 @@ def row_products(
     n_mask,  # [BLOCK_N] rows that exist
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
     addend_ptrs,  # [BLOCK_N] what the caller's epilogue adds (read only with ADDEND)
-    m_row,  # with MERGE_SPLITS: the row as split partials (see _merged_slice), x_row unused; else unused
-    l_row,
-    partial_row,
-    splits_stride,
-    num_splits,
     K,
     eps,
     NORM: tl.constexpr,
@@ -134,8 +107,6 @@ def row_products(
     ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # with NORM: the row's elements one load takes (norm_block: a power of two)
-    MERGE_SPLITS: tl.constexpr,  # > 0: x is num_splits <= MERGE_SPLITS attention partials (not with NORM)
-    HEAD_SIZE: tl.constexpr,  # with MERGE_SPLITS: the attention's head size
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     dtype: tl.constexpr,
 ):
@@ -150,9 +121,7 @@ def row_products(
     After the wait everything a program does is on the step's critical path, so the loads there are
     arranged to take few round trips in turn: the addend (the residual stream, which the previous
     kernels wrote) is requested at once with the row rather than after the products, and the norm's
-    sum of squares reads the row in one load of NORM_BLOCK elements rather than slice after slice.
-    With MERGE_SPLITS the row is a paged decode's split partials, merged slice by slice as they are
-    read (``_merged_slice``)."""
+    sum of squares reads the row in one load of NORM_BLOCK elements rather than slice after slice."""
     # The row is handled as a [1, BLOCK_K] tile, in the 2-D layout of the weight tile it multiplies
     # (a 1-D row broadcast into it needs a layout conversion, through shared memory, every slice).
     k_offsets = tl.arange(0, BLOCK_K)[None, :]
@@ -192,11 +161,7 @@ def row_products(
 
     # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
     # would synchronise the warps every slice. The first slice's weights were loaded above.
-    if MERGE_SPLITS:
-        x = _merged_slice(m_row, l_row, partial_row, k_offsets, K, splits_stride, num_splits, MERGE_SPLITS,
-                          HEAD_SIZE, dtype)
-    else:
-        x = _row_slice(x_row, norm_w, k_offsets, K, inv_rms, NORM, dtype)
+    x = _row_slice(x_row, norm_w, k_offsets, K, inv_rms, NORM, dtype)
     acc = w_first.to(tl.float32) * x
     if PAIRED:  # acc_paired exists only then
         acc_paired = paired_first.to(tl.float32) * x
@@ -204,11 +169,7 @@ def row_products(
         k_cols = k + k_offsets
         if NORM:
             norm_w = tl.load(norm_w_ptr + k_cols, mask=k_cols < K, other=0.0).to(tl.float32)
-        if MERGE_SPLITS:
-            x = _merged_slice(m_row, l_row, partial_row, k_cols, K, splits_stride, num_splits, MERGE_SPLITS,
-                              HEAD_SIZE, dtype)
-        else:
-            x = _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM, dtype)
+        x = _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM, dtype)
         w_mask = n_mask[:, None] & (k_cols < K)
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * x
@@ -240,15 +201,9 @@ def _gemv_kernel(
     bias_ptr,  # [N] (unused without HAS_BIAS)
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
     out_ptr,  # [M, N]; with ADD_TO_OUT read and updated in place
-    m_ptr,  # with MERGE_SPLITS, the rows as attention partials (DecodePartials): [>= M, H, S] float32
-    l_ptr,  # same
-    partial_ptr,  # [>= M, H, S, HEAD_SIZE] float32
     stride_x,
     stride_w,
     stride_out,
-    stride_stats,  # H * S: a row's stride in m and l (times HEAD_SIZE in partial)
-    splits_stride,  # S, the workspace's split capacity
-    num_splits,  # splits holding this launch's partials
     eps,
     N,
     K,
@@ -258,16 +213,10 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
-    MERGE_SPLITS: tl.constexpr,  # 0, or num_splits padded to a power of two: x merged from partials
-    HEAD_SIZE: tl.constexpr,  # with MERGE_SPLITS: the attention's head size
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     dtype = out_ptr.dtype.element_ty
-    row = tl.program_id(1).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    m_row = m_ptr + row * stride_stats
-    l_row = l_ptr + row * stride_stats
-    partial_row = partial_ptr + row * stride_stats * HEAD_SIZE
+    x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
     out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
@@ -275,10 +224,8 @@ def _gemv_kernel(
         bias = tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     # With SILU_MUL a program computes gate outputs n and up outputs I + n together; with ADD_TO_OUT
     # row_products reads out's values (the residual stream) along with the row.
-    result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs,
-                                      m_row, l_row, partial_row, splits_stride, num_splits, K, eps, NORM,
-                                      EPILOGUE == 2, EPILOGUE == 1, BLOCK_K, NORM_BLOCK, MERGE_SPLITS, HEAD_SIZE,
-                                      PDL, dtype)
+    result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs, K,
+                                      eps, NORM, EPILOGUE == 2, EPILOGUE == 1, BLOCK_K, NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         result += bias
     store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
@@ -435,106 +382,9 @@ def linear_gemv(
     config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
     _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
-        x, x, x, x.stride(0), weight.stride(0), out.stride(0), 0, 0, 0, float(eps), out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block(in_features),
-        MERGE_SPLITS=0, HEAD_SIZE=1, num_warps=config.num_warps, **launch_options(dependent_launch),
-    )
-    return out
-
-
-#: Float32 values of each kind (maxima, sums, partial outputs) a thread holds while a merging launch
-#: (``linear_gemv_merging``) merges one K slice: its splits x BLOCK_K tile over the program's threads.
-#: Compiled for sm_90 (ptxas -v, Triton 3.9): 32 a thread took SmolLM2's O tile (16 x 1024, 8 warps, 8
-#: splits) from 163 to 235 registers and the 8B's (16 x 512, 4 warps, 8 splits) from 167 to 218 without
-#: spills; 64 a thread spilled 364-452 bytes at 255 registers (the 1B's 8 x 2048 tile with 8 splits,
-#: the 8B's with 16).
-_MERGE_VALUES_PER_THREAD = 32
-
-
-def merging_config(config: TileConfig, in_features: int, num_splits: int) -> TileConfig | None:
-    """The tile a ``linear_gemv_merging`` launch takes for ``num_splits`` splits where ``config`` is the
-    weight's usual tile: its K slices halved until a slice's partials fit ``_MERGE_VALUES_PER_THREAD``,
-    or None when that would take more slices than ``max(2, the usual count)`` (each slice's partials are
-    one more round trip after the dependency wait, which a merge in the attention kernel costs once)."""
-    padded = triton.next_power_of_2(max(num_splits, 1))
-    budget = _MERGE_VALUES_PER_THREAD * 32 * config.num_warps
-    block_k = config.block_k
-    while padded * block_k > budget and block_k > 16:
-        block_k //= 2
-    if padded * block_k > budget or triton.cdiv(in_features, block_k) > max(2, triton.cdiv(in_features, config.block_k)):
-        return None
-    return TileConfig(config.block_n, block_k, config.num_warps)
-
-
-def mergeable_splits(in_features: int, weight_rows: int, element_size: int = 2) -> int:
-    """Most attention splits a ``linear_gemv_merging`` launch for a ``[weight_rows, in_features]`` weight
-    merges (``merging_config`` of its usual tile; a power of two, at most 64; 0 when none)."""
-    return _most_mergeable(default_config(in_features, weight_rows, False, element_size), in_features)
-
-
-def _most_mergeable(config: TileConfig, in_features: int) -> int:
-    fitting = [splits for splits in (1, 2, 4, 8, 16, 32, 64) if merging_config(config, in_features, splits)]
-    return max(fitting, default=0)
-
-
-def linear_gemv_merging(
-    partials,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    epilogue: int = EPILOGUE_STORE,
-    out: torch.Tensor | None = None,
-    config: TileConfig | None = None,
-    dependent_launch: bool = False,
-) -> torch.Tensor:
-    """``linear_gemv(partials.merged(), weight, bias, epilogue=..., out=...)`` in one kernel: each program
-    merges the attention's split partials as it reads its input slices (``_merged_slice``), so the
-    attention kernel needs no merge of its own (the output projection at batch 1).
-
-    partials: ``graphrt.attention.triton_paged_decode.DecodePartials`` of ``partials.batch`` rows and
-    ``H * D = K`` features, ``partials.num_splits`` at most ``mergeable_splits(K, N)``; weight: [N, K]
-    in ``partials.dtype``; epilogue ``EPILOGUE_STORE`` or ``EPILOGUE_ADD_TO_OUT`` (SiLU * up takes no
-    attention output). Same rounding as the unmerged path: the merged row is rounded to the model dtype
-    as the attention's output tensor is. ``config``: the weight's usual tile (default ``default_config``'s),
-    whose K slices ``merging_config`` may shorten.
-    """
-    rows, heads, head_size = partials.batch, partials.num_heads, partials.head_size
-    stats, partial_out = partials.max_logits, partials.partial_out
-    if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT):
-        raise ValueError(f"a merging launch takes the store or the residual-add epilogue, not {epilogue!r}")
-    if not (stats.is_contiguous() and partials.exp_sums.is_contiguous() and partial_out.is_contiguous()):
-        raise ValueError("the partials must be a DecodeWorkspace's contiguous tensors")
-    if rows > stats.shape[0]:
-        raise ValueError(f"{rows} rows exceed the partials' {stats.shape[0]}")
-    in_features = heads * head_size
-    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != partials.dtype:
-        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
-                         f"{partials.dtype} tensor")
-    out_features = weight.shape[0]
-    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous() or bias.dtype != weight.dtype):
-        raise ValueError(f"bias must be a contiguous [{out_features}] {weight.dtype} tensor")
-    if out is None:
-        if epilogue == EPILOGUE_ADD_TO_OUT:
-            raise ValueError("the residual-add epilogue needs out, the tensor to add into")
-        out = torch.empty((rows, out_features), dtype=weight.dtype, device=weight.device)
-    elif out.shape != (rows, out_features) or out.dtype != weight.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {out_features}] {weight.dtype} with "
-                         "contiguous columns")
-    if rows == 0:
-        return out
-    usual = config or default_config(in_features, out_features, False, weight.element_size())
-    config = merging_config(usual, in_features, partials.num_splits)
-    if config is None or partials.num_splits < 1:
-        raise ValueError(f"{partials.num_splits} splits: {usual} launches merge 1 to "
-                         f"{_most_mergeable(usual, in_features)} (mergeable_splits)")
-    splits_stride = stats.shape[2]
-    _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
-        weight, weight, weight if bias is None else bias, weight, out,
-        stats, partials.exp_sums, partial_out, 0, weight.stride(0), out.stride(0), heads * splits_stride,
-        splits_stride, partials.num_splits, 0.0, out_features, in_features,
-        NORM=False, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM_BLOCK=1, MERGE_SPLITS=triton.next_power_of_2(partials.num_splits), HEAD_SIZE=head_size,
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out

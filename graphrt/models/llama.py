@@ -76,25 +76,23 @@ class LlamaAttention(nn.Module):
         )
         return self.attend_rotated(qkv, kv_cache, attn_metadata)
 
-    def project_and_attend(self, positions, residual, norm: RMSNorm, kv_cache, attn_metadata: AttentionMetadata,
-                           leave_partials_up_to: int = 0):
+    def project_and_attend(self, positions, residual, norm: RMSNorm, kv_cache,
+                           attn_metadata: AttentionMetadata) -> torch.Tensor:
         """A few tokens (fast for one; needs fused kernels): ``norm(residual)`` [T, hidden] projected to
         q, k and v, rotated and stored in ``kv_cache`` by one kernel, then attention -> [T, q], before
-        the output projection; or, with ``leave_partials_up_to``, the attention's unmerged split
-        partials where the backend hands them on (``AttentionImpl.forward``)."""
+        the output projection."""
         qkv = self._project_rope_and_write_cache(
             residual, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
             kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
             norm_weight=norm.weight, eps=norm.eps, dependent_launch=self.dependent_launch,
         )
-        return self.attend_rotated(qkv, kv_cache, attn_metadata, leave_partials_up_to)
+        return self.attend_rotated(qkv, kv_cache, attn_metadata)
 
-    def attend_rotated(self, qkv, kv_cache, attn_metadata: AttentionMetadata, leave_partials_up_to: int = 0):
-        """qkv: [T, q + 2 kv] with q and k rotated, k and v already in ``kv_cache`` -> [T, q] (or split
-        partials, as ``project_and_attend``)."""
+    def attend_rotated(self, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, q + 2 kv] with q and k rotated, k and v already in ``kv_cache`` -> [T, q]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True,
-                                 dependent_launch=self.dependent_launch, leave_partials_up_to=leave_partials_up_to)
+                                 dependent_launch=self.dependent_launch)
 
 
 class LlamaMLP(nn.Module):
@@ -130,14 +128,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
         self._gemv = None
-        #: Attention splits the one-token path's output projection merges itself (0: the attention
-        #: kernel merges them; ``graphrt.kernels.gemv.linear_gemv_merging``).
-        self.o_proj_merges_splits = 0
         if fused_kernels:
             from ..kernels import gemv
 
             self._gemv = gemv
-            self.o_proj_merges_splits = gemv.mergeable_splits(config.q_size, config.hidden_size, dtype.itemsize)
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
@@ -154,8 +148,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
         """The same layer for a single token (decode at batch 1) on matrix-vector kernels: QKV with
-        the input norm, rotary and cache write fused in, attention, O (merging the attention's splits,
-        ``o_proj_merges_splits``) adding into the residual stream,
+        the input norm, rotary and cache write fused in, attention, O adding into the residual stream,
         gate/up with the norm and SiLU * up, down adding into the stream; five kernels where
         ``forward`` runs four GEMMs, two norms, rotary + cache write, SiLU * up, attention and (cuBLAS's)
         a split-K reduce (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
@@ -169,13 +162,9 @@ class LlamaDecoderLayer(nn.Module):
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
-        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata,
-                                                leave_partials_up_to=self.o_proj_merges_splits)
-        # A split decode's partials (DecodePartials) are merged by the O projection as it reads them,
-        # which saves the attention kernel's merge and its round trips.
-        project_o = kernels.linear_gemv if isinstance(attended, torch.Tensor) else kernels.linear_gemv_merging
-        project_o(attended, attention.o_proj.weight, attention.o_proj.bias, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
-                  out=residual, **launch)
+        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
+        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         activated = kernels.linear_gemv(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
             eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
