@@ -1,14 +1,21 @@
-"""What the batch-1 attention costs in the decode step above a bare dependent kernel in its place.
+"""What the batch-1 attention costs in the decode step above a bare dependent kernel in its place, and
+what its parts cost.
 
 ``graphrt profile``'s exposed times put the batch-1 attention at 4.9-7.5 us a layer (SmolLM2, 1B,
 8B at context 512; profiles/notes_fusion.md, experiment 21) while the O projection after it, a
 kernel of ~1 MB, adds ~1.5 us. Whether a faster attention is worth a redesign depends on how much
 of those microseconds any kernel at that place would cost (its dependency wait, launch and drain)
-and how much is the attention's own chain of loads, products, partials and merge. Here the step is
-timed with the paged decode (today's), then with a kernel that only waits for the one before and
-copies the query rows into the output (the same launch as a programmatic dependent, every query
-head; the tokens it makes are meaningless), alternating over ``--rounds`` rounds in one engine per
-point (model:batch:context, the greedy graph only).
+and how much is the attention's own chain of loads, products, partials and merge. Variants, each the
+whole captured step, alternating over ``--rounds`` rounds in one engine per point (model:batch:context,
+the greedy graph only):
+
+* ``paged_decode``: today's paged decode;
+* ``late_table``: the same with the sequence length and block numbers read after the dependency wait
+  (``triton_paged_decode.EARLY_TABLE_LOADS = False``);
+* ``without_merge``: the split pass alone, its merge compiled out (every split writes its own
+  normalised rows into the output: no partials, arrival count or merge; meaningless tokens);
+* ``copy_query``: a kernel that only waits for the one before and copies the query rows into the
+  output in the attention's place (the same launch as a programmatic dependent; meaningless tokens).
 
     python profiles/bench_attention_floor.py --json profiles/results/attention_floor_h200.json
 """
@@ -76,31 +83,32 @@ def main() -> None:
         model, batch_size, context = parse_point(point)
         engine, batch = greedy_engine(model, batch_size, context)
         attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
-        today = attention[0]._decode
+        today, early = attention[0]._decode, paged_decode.EARLY_TABLE_LOADS
         split_kernel = paged_decode._decode_split_kernel
-        variants = [("paged_decode", today, split_kernel), ("copy_query", copy_query, split_kernel),
-                    ("without_merge", today, _WithoutMerge(split_kernel))]
-        samples = {name: [] for name, _, _ in variants}
+        # name: (the attention's decode function, its split kernel, EARLY_TABLE_LOADS)
+        variants = {"paged_decode": (today, split_kernel, early), "late_table": (today, split_kernel, False),
+                    "without_merge": (today, _WithoutMerge(split_kernel), early),
+                    "copy_query": (copy_query, split_kernel, early)}
+        samples = {name: [] for name in variants}
         try:
             for round_index in range(args.rounds):
-                for name, decode, kernel in variants if round_index % 2 == 0 else variants[::-1]:
+                for name in list(variants) if round_index % 2 == 0 else list(variants)[::-1]:
+                    decode, paged_decode._decode_split_kernel, paged_decode.EARLY_TABLE_LOADS = variants[name]
                     for impl in attention:
                         impl._decode = decode
-                    paged_decode._decode_split_kernel = kernel
                     samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
         finally:
-            paged_decode._decode_split_kernel = split_kernel
-        paged, copied, unmerged = (statistics.median(samples[name]) for name, _, _ in variants)
-        layers = len(attention)
-        entry = {"model": model, "batch_size": batch_size, "context": context, "layers": layers,
-                 "paged_decode_ms": round(paged, 4), "copy_query_ms": round(copied, 4),
-                 "without_merge_ms": round(unmerged, 4),
-                 "attention_above_copy_us_per_layer": round((paged - copied) * 1e3 / layers, 2),
-                 "merge_us_per_layer": round((paged - unmerged) * 1e3 / layers, 2), "rounds_ms": samples}
+            paged_decode._decode_split_kernel, paged_decode.EARLY_TABLE_LOADS = split_kernel, early
+        median = {name: statistics.median(times) for name, times in samples.items()}
+        above = {name: (median[name] - median["copy_query"]) * 1e3 / len(attention) for name in variants}
+        entry = {"model": model, "batch_size": batch_size, "context": context, "layers": len(attention),
+                 **{f"{name}_ms": round(median[name], 4) for name in variants},
+                 **{f"{name}_above_copy_us_per_layer": round(above[name], 2) for name in variants if name != "copy_query"},
+                 "rounds_ms": samples}
         results["points"].append(entry)
-        print(f"{point:34} paged decode {paged:.4f} ms, without its merge {unmerged:.4f}, query copy in its place "
-              f"{copied:.4f}: {entry['attention_above_copy_us_per_layer']:.2f} us a layer above a bare dependent "
-              f"kernel, of which the merge {entry['merge_us_per_layer']:.2f}", flush=True)
+        shown = ", ".join(f"{name} {above[name]:.2f}" for name in variants if name != "copy_query")
+        print(f"{point:34} " + ", ".join(f"{name} {median[name]:.4f} ms" for name in variants)
+              + f" | us a layer above the copy: {shown}", flush=True)
         engine = batch = attention = today = None
         torch.cuda.empty_cache()
         write_results(args.json, results)
