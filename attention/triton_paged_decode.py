@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.kernels.dependent_launch import launch_options
+from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -67,12 +67,6 @@ _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 _DEFAULT_SMEM = 227 * 1024
 
 _LOG2E = 1.4426950408889634
-
-#: Dependent launches read the sequence length and the first K/V tile's block numbers before waiting
-#: for the kernel before (the host uploads both before the step; graphrt.kernels.dependent_launch), and
-#: every tile requests the next tile's block numbers before its products. False: all after the wait,
-#: as before (kept for side-by-side timing: profiles/bench_attention_floor.py).
-EARLY_TABLE_LOADS = True
 
 
 @dataclass(frozen=True)
@@ -290,20 +284,13 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # CPU interpreter only: its bf16 products are wrong, so run them in fp32
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
-    EARLY_TABLE: tl.constexpr,  # the length and the first tile's block numbers read before the wait
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY_TABLE:
-            tl.extra.cuda.gdc_wait()
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # The length and the block table are the host's upload, which no kernel of the step writes: read
-    # before the wait (graphrt.kernels.dependent_launch), their two dependent round trips overlap the
-    # kernel before instead of following it.
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = 0
     if USE_WINDOW:
@@ -312,14 +299,6 @@ def _decode_split_kernel(
     slice_len = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
     start = first_key + split * slice_len
     end = tl.minimum(start + slice_len, seq_len)
-
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    if EARLY_TABLE:
-        # Block numbers of the first tile; each iteration below requests the next tile's.
-        next_blocks = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -350,15 +329,13 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
 
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kv_ptr + kv_head * HEAD_SIZE
+    offs_n = tl.arange(0, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         pos_ok = pos < end
-        if EARLY_TABLE:
-            block = next_blocks.to(tl.int64)
-            next_blocks = tl.load(table + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
         kv_off = token[:, None] + dims[None, :]
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
@@ -610,7 +587,6 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=num_splits == 1,
-        EARLY_TABLE=EARLY_TABLE_LOADS,
         GROUP_MERGE=group_merge,
         SPLITS_PAD=splits_pad,
         SPLITS_CHUNK=max(1, min(splits_pad, _MERGE_TILE_ELEMENTS // (group_merge * head_pad))),

@@ -10,8 +10,6 @@ whole captured step, alternating over ``--rounds`` rounds in one engine per poin
 the greedy graph only):
 
 * ``paged_decode``: today's paged decode;
-* ``late_table``: the same with the sequence length and block numbers read after the dependency wait
-  (``triton_paged_decode.EARLY_TABLE_LOADS = False``);
 * ``without_merge``: the split pass alone, its merge compiled out (every split writes its own
   normalised rows into the output: no partials, arrival count or merge; meaningless tokens);
 * ``copy_query``: a kernel that only waits for the one before and copies the query rows into the
@@ -83,22 +81,21 @@ def main() -> None:
         model, batch_size, context = parse_point(point)
         engine, batch = greedy_engine(model, batch_size, context)
         attention = [module.attn for module in engine.model.modules() if isinstance(module, LlamaAttention)]
-        today, early = attention[0]._decode, paged_decode.EARLY_TABLE_LOADS
+        today = attention[0]._decode
         split_kernel = paged_decode._decode_split_kernel
-        # name: (the attention's decode function, its split kernel, EARLY_TABLE_LOADS)
-        variants = {"paged_decode": (today, split_kernel, early), "late_table": (today, split_kernel, False),
-                    "without_merge": (today, _WithoutMerge(split_kernel), early),
-                    "copy_query": (copy_query, split_kernel, early)}
+        # name: (the attention's decode function, its split kernel)
+        variants = {"paged_decode": (today, split_kernel), "without_merge": (today, _WithoutMerge(split_kernel)),
+                    "copy_query": (copy_query, split_kernel)}
         samples = {name: [] for name in variants}
         try:
             for round_index in range(args.rounds):
                 for name in list(variants) if round_index % 2 == 0 else list(variants)[::-1]:
-                    decode, paged_decode._decode_split_kernel, paged_decode.EARLY_TABLE_LOADS = variants[name]
+                    decode, paged_decode._decode_split_kernel = variants[name]
                     for impl in attention:
                         impl._decode = decode
                     samples[name].append(recaptured_replay_ms(engine.decode_runner, batch, args.replays)[0])
         finally:
-            paged_decode._decode_split_kernel, paged_decode.EARLY_TABLE_LOADS = split_kernel, early
+            paged_decode._decode_split_kernel = split_kernel
         median = {name: statistics.median(times) for name, times in samples.items()}
         above = {name: (median[name] - median["copy_query"]) * 1e3 / len(attention) for name in variants}
         entry = {"model": model, "batch_size": batch_size, "context": context, "layers": len(attention),

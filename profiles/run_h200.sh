@@ -107,7 +107,7 @@ for stage in $stages; do
       python profiles/bench_step_tiles.py --json "$OUT/step_tiles.json"
       ;;
     attention-floor)
-      log "the batch-1 step: the paged decode, with its table read after the wait, without its merge, a bare kernel in its place"
+      log "the batch-1 step: the paged decode, without its merge, a bare kernel in its place"
       python profiles/bench_attention_floor.py --json "$OUT/attention_floor.json"
       ;;
     step-attention)

@@ -45,21 +45,17 @@ def _cases(pdl: bool) -> list[dict]:
                   "stride_cache_kind": "i64", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                  dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, HEADS_BLOCK=32, HALF_BLOCK=32, WRITE_CACHE=True,
                       QUANTIZE=False, PDL=pdl))
-    split_signature = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+    split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
+                  {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                    "alibi_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                    "arrivals_ptr": "*i32",
                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kv_token", "stride_bt", "stride_ob",
                                          "stride_oh", "stride_wb", "stride_wh", "stride_arrivals", "window",
                                          "num_splits")},
-                   "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"}
-    split_constexprs = dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
-                            SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
-                            USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, EARLY_TABLE=True,
-                            PDL=pdl)
-    split = _case("decode-split", "graphrt.attention.triton_paged_decode", "_decode_split_kernel", split_signature,
-                  split_constexprs)
-    split_late = _case("decode-split-late-table", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
-                       split_signature, {**split_constexprs, "EARLY_TABLE": False})
+                   "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
+                  dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
+                       SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
+                       USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
     qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
                      {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
                       "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
@@ -67,14 +63,14 @@ def _cases(pdl: bool) -> list[dict]:
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
-    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_late, qkv_rope]
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     """Launched as dependents, each kernel's PTX holds the grid dependency wait (and the early launch
     of its own dependents) with no global load before the wait, except what no kernel of the step writes
-    (weights, host-uploaded inputs), which the GEMV, fused QKV and paged decode kernels request early;
-    launched plainly, neither instruction."""
+    (weights, host-uploaded inputs), which the GEMV and fused QKV kernels request early; launched plainly,
+    neither instruction."""
     from sm90_compile import compile_for_sm90
 
     dependent, plain = _cases(True), _cases(False)
@@ -94,8 +90,6 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
     assert loads_first.pop("gemv-bias") > plain
     # Its first weight slice (both halves of its channels), the position, rotary rows and slot.
     assert loads_first.pop("qkv-rope-cache") > 0
-    # The sequence length and the first tile's block numbers (EARLY_TABLE), or nothing.
-    assert loads_first.pop("decode-split") > loads_first.pop("decode-split-late-table") == 0
     assert set(loads_first.values()) == {0}, loads_first
 
 

@@ -24,8 +24,7 @@ Rules every kernel launched with ``launch_pdl=True`` here follows:
 * ``gdc_launch_dependents`` comes early (before the weight loads): it only lets the next kernel's
   programs be scheduled into free slots, where they wait; correctness never depends on where it sits.
   (The fused QKV kernel issues its position, rotary, slot and bias loads just before it, the GEMV its
-  bias load: not timed against the other order. The paged decode reads the sequence length and its first
-  tile's block numbers after it and before the wait.)
+  bias load: not timed against the other order.)
 
 Measured on the H200 (profiles/notes_fusion.md, change 7): a layer's four batch-1 GEMV kernels
 43.7 -> 40.7 us (Llama-3.2-1B), 13.1 -> 8.8 us (SmolLM2-135M), with identical outputs.
