@@ -51,6 +51,13 @@ MIN_TOKENS_PER_SPLIT = 128
 #: At batch 8 (96-256 programs) the same rule was neutral (1B 1.154 both, 8B 4.981 against 4.980) or
 #: slower (SmolLM2 0.916 against 0.910; results/short_context_rule_h200.json), hence the half-the-SMs bound.
 SHORT_CONTEXT_TILE = 64
+#: Programs an SM holds with ``SHORT_CONTEXT_TILE``-token tiles, 4 warps, a 16-bit cache and head size 128
+#: (ptxas, sm_90: 96 registers a thread against 128 with 128-token tiles, 39 KB of shared memory against
+#: 74 KB): 5, where 128-token tiles fit 3. Used where unsplit programs overflow one wave of 128-token
+#: tiles but fit one of 64-token tiles (``choose_launch``): Llama-3-8B at batch 64, context 512, 512
+#: programs against 396 resident, timed inside the step on the H200 (profiles/bench_step_attention.py,
+#: results/step_attention_8b_b64_b8_h200.json, alternating rounds): 6.099 -> 5.940 ms.
+_SHORT_TILE_PROGRAMS_PER_SM = {(2, 128): 5}
 #: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (H200, d=128:
 #: 64 KiB tiles ran at 3.46 TB/s where 32 KiB ran at 3.20).
 TILE_BYTES = 64 * 1024
@@ -184,10 +191,17 @@ def choose_launch(
     ``SHORT_CONTEXT_TILE``-token tiles and slices when they give more splits (twice as many at the
     captured context of 513 tokens that was measured faster in the batch-1 step: see
     ``SHORT_CONTEXT_TILE``). Graphs captured for long contexts keep 128-token tiles whatever the live
-    lengths, as the split count follows the captured context too."""
+    lengths, as the split count follows the captured context too. And where one split a (sequence, kv
+    head) makes more programs than one wave of today's tiles holds but one wave of ``SHORT_CONTEXT_TILE``
+    tiles would (``_SHORT_TILE_PROGRAMS_PER_SM``: head size 128, 16-bit caches), those shorter tiles."""
     resident = resident_programs(config, head_size, cache_element_size, device)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
     programs = max(batch * num_kv_heads, 1) * splits
+    short_per_sm = _SHORT_TILE_PROGRAMS_PER_SM.get((cache_element_size, triton.next_power_of_2(head_size)))
+    if (not tile_given and config.block_n > SHORT_CONTEXT_TILE and config.num_warps == 4 and splits == 1
+            and short_per_sm is not None and resident < programs <= short_per_sm * _device_limits(device)[0]):
+        # Unsplit programs that overflow one wave of today's tiles but fit one wave of shorter ones.
+        return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
     short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
     few_programs = 2 * programs <= _device_limits(device)[0]
     if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or not few_programs:

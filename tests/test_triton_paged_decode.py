@@ -290,7 +290,7 @@ def test_short_contexts_take_short_tiles_and_twice_the_splits(monkeypatch):
         assert tpd.choose_launch(tile, 1, 8, 513, head_size, 2, tile_given=True) == (tile, 4)
         resident = tpd.resident_programs(tile, head_size, 2)
         assert tpd.choose_launch(tile, 1, 8, 4097, head_size, 2) == (tile, tpd.choose_num_splits(1, 8, 4097, resident))
-        assert tpd.choose_launch(tile, 64, 8, 513, head_size, 2) == (tile, 1)
+        assert tpd.choose_launch(tile, 256, 8, 513, head_size, 2) == (tile, 1)
         # A window as short as the context splits alike; a default tile of 64 tokens (head size 256, say)
         # keeps today's count (not measured otherwise).
         assert tpd.choose_launch(tile, 1, 8, 10**5, head_size, 2, sliding_window=512)[0].block_n == 64
@@ -307,6 +307,28 @@ def test_short_contexts_take_short_tiles_and_twice_the_splits(monkeypatch):
     assert tpd.choose_launch(tile, 8, 8, 513, 64, 2) == (tile, 4)
     assert tpd.choose_launch(tile, 8, 3, 513, 64, 2) == (tile, 4)
     assert tpd.choose_launch(tile, 1, 3, 513, 64, 2)[0].block_n == 64  # SmolLM2 batch 1: 12 programs
+
+
+def test_unsplit_programs_past_one_wave_take_short_tiles_where_those_fit_one(monkeypatch):
+    """Batch 64 at context 512 with 8 kv heads (512 unsplit programs) on an H200: at head size 128 a wave
+    of 128-token tiles holds 396 programs and one of 64-token tiles 660, so 64-token tiles; at head size
+    64 (4 programs an SM, 528) or with an fp8 cache (not measured) today's tile; past one short wave
+    (batch 256), with a caller's tile or 8 warps, today's too."""
+    monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 227 * 1024))
+    tile = tpd.default_config(128, 2)
+    assert tpd.resident_programs(tile, 128, 2) == 396
+    short, splits = tpd.choose_launch(tile, 64, 8, 513, 128, 2)
+    assert (short.block_n, short.num_warps, short.num_stages, splits) == (64, 4, tile.num_stages, 1)
+    assert tpd.choose_launch(tile, 82, 8, 513, 128, 2)[0].block_n == 64  # 656 programs, one short wave
+    assert tpd.choose_launch(tile, 83, 8, 513, 128, 2) == (tile, 1)
+    assert tpd.choose_launch(tile, 256, 8, 513, 128, 2) == (tile, 1)
+    assert tpd.choose_launch(tile, 64, 8, 513, 128, 2, tile_given=True) == (tile, 1)
+    eight_warps = tpd.DecodeConfig(block_n=128, num_warps=8, num_stages=3)
+    assert tpd.choose_launch(eight_warps, 64, 8, 513, 128, 2)[0] == eight_warps
+    small_heads = tpd.default_config(64, 2)
+    assert tpd.choose_launch(small_heads, 64, 8, 513, 64, 2) == (small_heads, 1)  # 512 <= 528 resident
+    fp8 = tpd.default_config(128, 1)
+    assert tpd.choose_launch(fp8, 64, 8, 513, 128, 1)[0] == fp8
 
 
 def test_default_config_fits_shared_memory():
@@ -400,6 +422,19 @@ def test_split_merge_is_deterministic_on_gpu(batch, kv_heads, head_size, length)
     for _ in range(50):
         assert torch.equal(run_kernel(case, inputs, workspace=workspace), first)
     assert not workspace.arrivals.any()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_batch_past_one_wave_takes_short_tiles_on_gpu():
+    """Llama-3-8B's attention at batch 64, captured context 513 (the heuristic's 64-token tiles, one
+    split), lengths around block and tile boundaries, against the reference."""
+    lengths = [1 + (37 * i) % 513 for i in range(64)]
+    lengths[:4] = [513, 64, 65, 128]
+    case = Case(64, 32, 8, 128, 16, lengths, max_seq_len=513)
+    assert tpd.choose_launch(tpd.default_config(128, 2, torch.device(DEVICE)), 64, 8, 513, 128, 2,
+                             torch.device(DEVICE))[0].block_n == 64
+    check(case, seed=64)
 
 
 @pytest.mark.gpu
