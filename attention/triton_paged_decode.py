@@ -57,7 +57,11 @@ SHORT_CONTEXT_TILE = 64
 #: tiles but fit one of 64-token tiles (``choose_launch``): Llama-3-8B at batch 64, context 512, 512
 #: programs against 396 resident, timed inside the step on the H200 (profiles/bench_step_attention.py,
 #: results/step_attention_8b_b64_b8_h200.json, alternating rounds): 6.099 -> 5.940 ms.
+#: Not with a sliding window (its kernel takes 111 registers: 4 programs an SM) and only for captured
+#: contexts under ``_ONE_WAVE_CONTEXT_BOUND`` (where one split is the heuristic's choice for such batches;
+#: measured at 513). ``resident_programs`` keeps its own estimate (3) for the short-context rule.
 _SHORT_TILE_PROGRAMS_PER_SM = {(2, 128): 5}
+_ONE_WAVE_CONTEXT_BOUND = 1024
 #: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (H200, d=128:
 #: 64 KiB tiles ran at 3.46 TB/s where 32 KiB ran at 3.20).
 TILE_BYTES = 64 * 1024
@@ -193,15 +197,20 @@ def choose_launch(
     ``SHORT_CONTEXT_TILE``). Graphs captured for long contexts keep 128-token tiles whatever the live
     lengths, as the split count follows the captured context too. And where one split a (sequence, kv
     head) makes more programs than one wave of today's tiles holds but one wave of ``SHORT_CONTEXT_TILE``
-    tiles would (``_SHORT_TILE_PROGRAMS_PER_SM``: head size 128, 16-bit caches), those shorter tiles."""
+    tiles would (``_SHORT_TILE_PROGRAMS_PER_SM``: head size 128, 16-bit caches, 4 warps, no window,
+    captured contexts under 1024 tokens; shared memory permitting), those shorter tiles."""
     resident = resident_programs(config, head_size, cache_element_size, device)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
     programs = max(batch * num_kv_heads, 1) * splits
     short_per_sm = _SHORT_TILE_PROGRAMS_PER_SM.get((cache_element_size, triton.next_power_of_2(head_size)))
-    if (not tile_given and config.block_n > SHORT_CONTEXT_TILE and config.num_warps == 4 and splits == 1
-            and short_per_sm is not None and resident < programs <= short_per_sm * _device_limits(device)[0]):
+    if (not tile_given and short_per_sm is not None and config.block_n > SHORT_CONTEXT_TILE
+            and config.num_warps == 4 and splits == 1 and sliding_window is None
+            and max_seq_len < _ONE_WAVE_CONTEXT_BOUND):
         # Unsplit programs that overflow one wave of today's tiles but fit one wave of shorter ones.
-        return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
+        sms, smem = _device_limits(device)
+        by_smem = smem // (SHORT_CONTEXT_TILE * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD)
+        if resident < programs <= sms * min(short_per_sm, by_smem):
+            return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
     short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
     few_programs = 2 * programs <= _device_limits(device)[0]
     if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or not few_programs:

@@ -15,7 +15,10 @@ the greedy graph only):
 * ``copy_query``: a kernel that only waits for the one before and copies the query rows into the
   output in the attention's place (the same launch as a programmatic dependent; meaningless tokens).
 
-    python profiles/bench_attention_floor.py --json profiles/results/attention_floor_h200.json
+    python profiles/bench_attention_floor.py --json attention_floor.json
+
+(``results/attention_floor_h200.json`` came from this script's first form, which reported the merge as
+``merge_us_per_layer``; ``results/early_table_h200.json`` from one with a fourth variant, experiment 23.)
 """
 
 from __future__ import annotations

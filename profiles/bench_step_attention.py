@@ -11,9 +11,10 @@ today's choice alternate over ``--rounds`` rounds. Each variant's greedy token i
 (other splits sum in another order). ``results/step_attention_h200.json`` ran 12 of today's 18
 variants at context 512.
 
-``--compare-rule`` times ``choose_launch``'s short-context rule (``SHORT_CONTEXT_TILE``: 64-token tiles
-and splits where short contexts leave SMs idle) on and off instead, alternating, at ``--points``
-(default: batch 8 at context 512, which the first sweep did not cover).
+``--compare-rule`` times ``choose_launch``'s rules for ``SHORT_CONTEXT_TILE`` (64-token tiles and splits
+where short contexts leave SMs idle, and 64-token tiles where unsplit programs overflow one wave) on and
+off instead, alternating, at ``--points`` (default: batch 8 at context 512, which the first sweep did
+not cover); off, both rules are off.
 
     python profiles/bench_step_attention.py --json profiles/results/step_attention_h200.json
     python profiles/bench_step_attention.py --points random:llama-3.2-1b:1:4096 --json step_attention_4096.json

@@ -319,9 +319,19 @@ def test_unsplit_programs_past_one_wave_take_short_tiles_where_those_fit_one(mon
     assert tpd.resident_programs(tile, 128, 2) == 396
     short, splits = tpd.choose_launch(tile, 64, 8, 513, 128, 2)
     assert (short.block_n, short.num_warps, short.num_stages, splits) == (64, 4, tile.num_stages, 1)
-    assert tpd.choose_launch(tile, 82, 8, 513, 128, 2)[0].block_n == 64  # 656 programs, one short wave
-    assert tpd.choose_launch(tile, 83, 8, 513, 128, 2) == (tile, 1)
+    assert tpd.choose_launch(tile, 165, 4, 513, 128, 2)[0].block_n == 64  # 660 programs: one short wave
+    assert tpd.choose_launch(tile, 166, 4, 513, 128, 2) == (tile, 1)
     assert tpd.choose_launch(tile, 256, 8, 513, 128, 2) == (tile, 1)
+    assert tpd.choose_launch(tile, 99, 4, 513, 128, 2) == (tile, 1)  # 396 programs: one wave already
+    assert tpd.choose_launch(tile, 100, 4, 513, 128, 2)[0].block_n == 64
+    assert tpd.choose_launch(tpd.default_config(96, 2), 64, 8, 513, 96, 2)[0].block_n == 64  # padded to 128
+    # Not measured: a sliding window (more registers), long contexts (one split only when capped), and
+    # less shared memory than an H200's (fewer short programs an SM).
+    assert tpd.choose_launch(tile, 64, 8, 513, 128, 2, sliding_window=4096) == (tile, 1)
+    assert tpd.choose_launch(tile, 64, 8, 32768, 128, 2, max_splits=1) == (tile, 1)
+    monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 160 * 1024))
+    assert tpd.choose_launch(tile, 64, 8, 513, 128, 2) == (tile, 1)  # 3 short programs an SM by memory
+    monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 227 * 1024))
     assert tpd.choose_launch(tile, 64, 8, 513, 128, 2, tile_given=True) == (tile, 1)
     eight_warps = tpd.DecodeConfig(block_n=128, num_warps=8, num_stages=3)
     assert tpd.choose_launch(eight_warps, 64, 8, 513, 128, 2)[0] == eight_warps
@@ -432,8 +442,9 @@ def test_batch_past_one_wave_takes_short_tiles_on_gpu():
     lengths = [1 + (37 * i) % 513 for i in range(64)]
     lengths[:4] = [513, 64, 65, 128]
     case = Case(64, 32, 8, 128, 16, lengths, max_seq_len=513)
-    assert tpd.choose_launch(tpd.default_config(128, 2, torch.device(DEVICE)), 64, 8, 513, 128, 2,
-                             torch.device(DEVICE))[0].block_n == 64
+    device = torch.device(DEVICE)
+    if tpd.choose_launch(tpd.default_config(128, 2, device), 64, 8, 513, 128, 2, device)[0].block_n != 64:
+        pytest.skip("on this GPU 512 programs fit one wave of 128-token tiles, or not one of 64-token tiles")
     check(case, seed=64)
 
 
