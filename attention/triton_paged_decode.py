@@ -107,12 +107,16 @@ def _bytes_per_token(head_size: int, cache_element_size: int) -> int:
     return 2 * triton.next_power_of_2(head_size) * cache_element_size  # K and V rows, padded
 
 
+def _program_shared_memory(block_n: int, head_size: int, cache_element_size: int) -> int:
+    """Shared memory one split-kernel program takes with ``block_n``-token K/V tiles."""
+    return block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
+
+
 def default_config(head_size: int, cache_element_size: int, device: torch.device | None = None) -> DecodeConfig:
     """Tiles of ~``TILE_BYTES`` of K/V (at most 128 tokens), 4 warps, halved until they fit."""
     _, smem = _device_limits(device)
-    per_token = _bytes_per_token(head_size, cache_element_size)
-    block_n = max(16, min(128, TILE_BYTES // per_token))
-    while block_n > 16 and block_n * per_token + _SMEM_OVERHEAD > smem:
+    block_n = max(16, min(128, TILE_BYTES // _bytes_per_token(head_size, cache_element_size)))
+    while block_n > 16 and _program_shared_memory(block_n, head_size, cache_element_size) > smem:
         block_n //= 2
     # Stages 3 and 2 measured alike, 1 was 20 % slower: the loads run a tile ahead in registers, but
     # these gathered loads are never multi-buffered in shared memory.
@@ -123,7 +127,7 @@ def resident_programs(config: DecodeConfig, head_size: int, cache_element_size: 
                       device: torch.device | None = None) -> int:
     """Split-kernel programs the whole device runs at once, estimated from shared memory and registers."""
     sms, smem = _device_limits(device)
-    per_program = config.block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
+    per_program = _program_shared_memory(config.block_n, head_size, cache_element_size)
     by_registers = _MAX_PROGRAMS_PER_SM.get(cache_element_size, 3)
     if head_size <= 64:
         by_registers = _MAX_PROGRAMS_PER_SM_SMALL_HEADS.get(cache_element_size, by_registers)
@@ -199,6 +203,7 @@ def choose_launch(
     head) makes more programs than one wave of today's tiles holds but one wave of ``SHORT_CONTEXT_TILE``
     tiles would (``_SHORT_TILE_PROGRAMS_PER_SM``: head size 128, 16-bit caches, 4 warps, no window,
     captured contexts under 1024 tokens; shared memory permitting), those shorter tiles."""
+    sms, smem = _device_limits(device)
     resident = resident_programs(config, head_size, cache_element_size, device)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits)
     programs = max(batch * num_kv_heads, 1) * splits
@@ -207,12 +212,11 @@ def choose_launch(
             and config.num_warps == 4 and splits == 1 and sliding_window is None
             and max_seq_len < _ONE_WAVE_CONTEXT_BOUND):
         # Unsplit programs that overflow one wave of today's tiles but fit one wave of shorter ones.
-        sms, smem = _device_limits(device)
-        by_smem = smem // (SHORT_CONTEXT_TILE * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD)
+        by_smem = smem // _program_shared_memory(SHORT_CONTEXT_TILE, head_size, cache_element_size)
         if resident < programs <= sms * min(short_per_sm, by_smem):
             return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
     short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
-    few_programs = 2 * programs <= _device_limits(device)[0]
+    few_programs = 2 * programs <= sms
     if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or not few_programs:
         return config, splits
     short = DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=config.num_warps, num_stages=config.num_stages)
