@@ -167,6 +167,13 @@ DEFAULT_TILE = FewRowsTile(16, 256, 4, 3)
 MEASURED_TILES: dict[tuple[int, int, bool], FewRowsTile] = {}
 
 
+def layer_max_tokens(layer_weight_bytes: int, dependent_launch: bool) -> int:
+    """Up to how many tokens a decoder layer of ``layer_weight_bytes`` runs its linear layers here (its
+    ``forward_few_rows``): launched as programmatic dependents, ``MAX_ROWS`` until measured otherwise;
+    launched plainly, none (the kernels' gain is the chain of dependent launches)."""
+    return MAX_ROWS if dependent_launch else 0
+
+
 def default_tile(in_features: int, weight_rows: int, silu_mul: bool = False, element_size: int = 2) -> FewRowsTile:
     """The tile for a ``[weight_rows, in_features]`` weight: the measured one for 16-bit weights of a
     measured shape, else ``DEFAULT_TILE`` with its K slice no longer than the row."""
@@ -217,4 +224,5 @@ def linear_few_rows(
     return out
 
 
-__all__ = ["EPILOGUE_ADD_TO_OUT", "EPILOGUE_SILU_MUL", "FewRowsTile", "MAX_ROWS", "default_tile", "linear_few_rows"]
+__all__ = ["EPILOGUE_ADD_TO_OUT", "EPILOGUE_SILU_MUL", "FewRowsTile", "MAX_ROWS", "default_tile", "layer_max_tokens",
+           "linear_few_rows"]

@@ -127,11 +127,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels, dependent_launch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
-        self._gemv = None
+        self._gemv = self._few_rows = None
         if fused_kernels:
-            from ..kernels import gemv
+            from ..kernels import few_rows, gemv
 
-            self._gemv = gemv
+            self._gemv, self._few_rows = gemv, few_rows
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
@@ -154,23 +154,38 @@ class LlamaDecoderLayer(nn.Module):
         a split-K reduce (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
         Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
         the stream, updated in place, carries everything."""
+        return self._forward_fused_linears(positions, hidden, residual, kv_cache, attn_metadata, few_rows=False)
+
+    def forward_few_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
+        """The same layer for 2-16 tokens (decode at small batches) on the tensor-core few-rows kernels
+        (``graphrt.kernels.few_rows``): QKV with the input norm, rotary + cache write, attention, O
+        adding into the stream, gate/up with the norm and SiLU * up, down adding into the stream; six
+        kernels, all dependent launches, against ``forward``'s ten. Arguments and result as
+        ``forward_gemv``'s."""
+        return self._forward_fused_linears(positions, hidden, residual, kv_cache, attn_metadata, few_rows=True)
+
+    def _forward_fused_linears(self, positions, hidden, residual, kv_cache, attn_metadata, few_rows: bool):
         if self._gemv is None:
-            raise RuntimeError("forward_gemv needs a layer built with fused_kernels=True")
+            raise RuntimeError("forward_gemv and forward_few_rows need a layer built with fused_kernels=True")
         if residual is None:
             residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
         elif hidden is not None:
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
-        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
-        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
-                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
-        activated = kernels.linear_gemv(
-            residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
-        )
-        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
-                            **launch)
+        if few_rows:
+            linear = self._few_rows.linear_few_rows
+            qkv = linear(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
+                         norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, **launch)
+            attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
+        else:
+            linear = kernels.linear_gemv
+            attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
+        linear(attended, attention.o_proj.weight, attention.o_proj.bias, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
+               out=residual, **launch)
+        activated = linear(residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+                           eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch)
+        linear(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         return None, residual
 
 
@@ -215,13 +230,18 @@ class LlamaForCausalLM(nn.Module):
         #: Forwards of at most this many tokens run the layers' ``forward_gemv``: ``gemv.MAX_ROWS`` with
         #: fused kernels where the GEMV kernels beat cuBLAS (``graphrt.kernels.gemv.beats_cublas``), else 0.
         self.gemv_max_tokens = 0
+        #: Forwards of more than ``gemv_max_tokens`` and at most this many tokens run the layers'
+        #: ``forward_few_rows`` (``few_rows.layer_max_tokens``: with dependent launches only).
+        self.few_rows_max_tokens = 0
         if fused_kernels and len(self.layers):
-            from ..kernels import gemv
+            from ..kernels import few_rows, gemv
 
             layer = self.layers[0]
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if gemv.beats_cublas(sum(linear.weight.nbytes for linear in linears), dependent_launch):
+            layer_bytes = sum(linear.weight.nbytes for linear in linears)
+            if gemv.beats_cublas(layer_bytes, dependent_launch):
                 self.gemv_max_tokens = gemv.MAX_ROWS
+            self.few_rows_max_tokens = few_rows.layer_max_tokens(layer_bytes, dependent_launch)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -230,6 +250,17 @@ class LlamaForCausalLM(nn.Module):
     def runs_gemv_layers(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_gemv``."""
         return 0 < num_tokens <= self.gemv_max_tokens
+
+    def runs_few_rows_layers(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_few_rows``."""
+        return not self.runs_gemv_layers(num_tokens) and 0 < num_tokens <= self.few_rows_max_tokens
+
+    def _layer_forward(self, num_tokens: int):
+        if self.runs_gemv_layers(num_tokens):
+            return LlamaDecoderLayer.forward_gemv
+        if self.runs_few_rows_layers(num_tokens):
+            return LlamaDecoderLayer.forward_few_rows
+        return LlamaDecoderLayer.__call__
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -246,10 +277,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
 
         A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
-        one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
+        one-token prompt) runs each layer's ``forward_gemv``; one of up to ``few_rows_max_tokens``
+        (small decode batches) ``forward_few_rows``; others run cuBLAS GEMMs.
         """
-        gemv = self.runs_gemv_layers(input_ids.shape[0])
-        run = LlamaDecoderLayer.forward_gemv if gemv else LlamaDecoderLayer.__call__
+        run = self._layer_forward(input_ids.shape[0])
         hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
