@@ -162,9 +162,24 @@ def _few_rows_kernel(
 #: Until measured per shape (``MEASURED_TILES``): 16 outputs, K slices of 256, 4 warps, 3 slices in flight.
 DEFAULT_TILE = FewRowsTile(16, 256, 4, 3)
 
-#: Tiles measured fastest on the H200 inside the captured decode step, 16-bit weights: (weight rows,
-#: in_features, SiLU * up epilogue) -> tile.
-MEASURED_TILES: dict[tuple[int, int, bool], FewRowsTile] = {}
+#: Tiles measured fastest on the H200, 16-bit weights: (weight rows, in_features, SiLU * up epilogue) ->
+#: tile. From experiment 12's kernel of the same structure, each matrix alone at 8 rows
+#: (profiles/results/few_rows_h200.json; five slices in flight there are four here, where the residual
+#: add's early load leaves no room for a fifth).
+MEASURED_TILES: dict[tuple[int, int, bool], FewRowsTile] = {
+    (3072, 2048, False): FewRowsTile(64, 256, 4, 4),  # Llama-3.2-1B QKV
+    (2048, 2048, False): FewRowsTile(64, 256, 4, 4),  # 1B O
+    (16384, 2048, True): FewRowsTile(64, 128, 8, 4),  # 1B gate/up
+    (2048, 8192, False): FewRowsTile(64, 256, 4, 4),  # 1B down
+    (6144, 4096, False): FewRowsTile(64, 256, 4, 4),  # Llama-3-8B QKV
+    (4096, 4096, False): FewRowsTile(64, 256, 4, 4),  # 8B O
+    (28672, 4096, True): FewRowsTile(128, 128, 8, 3),  # 8B gate/up
+    (4096, 14336, False): FewRowsTile(64, 256, 4, 4),  # 8B down
+    (960, 576, False): FewRowsTile(16, 64, 4, 5),  # SmolLM2-135M QKV
+    (576, 576, False): FewRowsTile(16, 128, 4, 5),  # SmolLM2 O
+    (3072, 576, True): FewRowsTile(32, 256, 4, 4),  # SmolLM2 gate/up
+    (576, 1536, False): FewRowsTile(16, 256, 4, 5),  # SmolLM2 down
+}
 
 
 def layer_max_tokens(layer_weight_bytes: int, dependent_launch: bool) -> int:
