@@ -55,12 +55,18 @@ class FewRowsTile:
 
 
 @triton.jit
-def _products(w, up_w, x_ptrs, x_mask, norm_w, acc, acc_up, sum_squares, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-              DOT_F32: tl.constexpr, dtype: tl.constexpr):
-    """One K slice: loads the rows' slice ([ROWS, BLOCK_K] at ``x_ptrs``), with NORM multiplies it by the
-    norm weight's slice ``norm_w`` ([BLOCK_K] float32) and adds its squares to ``sum_squares``, and adds
-    ``w @ x^T`` (and with SILU_MUL ``up_w @ x^T``) to the [BLOCK_N, ROWS] float32 accumulators."""
+def _products(w, up_w, x_ptrs, x_mask, K, norm_w, acc, acc_up, sum_squares, NORM: tl.constexpr,
+              SILU_MUL: tl.constexpr, SILU_INPUT: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr):
+    """One K slice: loads the rows' slice ([ROWS, BLOCK_K] at ``x_ptrs``; with SILU_INPUT the gate slice
+    there and the up slice K columns on, combined as ``silu(gate) * up``, rounded as the unfused ops
+    round it), with NORM multiplies it by the norm weight's slice ``norm_w`` ([BLOCK_K] float32) and adds
+    its squares to ``sum_squares``, and adds ``w @ x^T`` (and with SILU_MUL ``up_w @ x^T``) to the
+    [BLOCK_N, ROWS] float32 accumulators."""
     x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if SILU_INPUT:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        x = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32) * up, dtype)
     if NORM:
         x32 = x.to(tl.float32)
         sum_squares += x32 * x32
@@ -80,7 +86,7 @@ def _products(w, up_w, x_ptrs, x_mask, norm_w, acc, acc_up, sum_squares, NORM: t
 
 @triton.jit
 def _few_rows_kernel(
-    x_ptr,  # [M, K] rows (with NORM: the residual stream, normalised here)
+    x_ptr,  # [M, K] rows (with NORM: the residual stream, normalised here; with SILU_INPUT: [M, 2 * K] gate, up)
     w_ptr,  # [N, K], or [2 * N, K] gate then up with SILU_MUL
     bias_ptr,  # [N] (unused without HAS_BIAS)
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
@@ -93,6 +99,7 @@ def _few_rows_kernel(
     N,
     K,
     NORM: tl.constexpr,
+    SILU_INPUT: tl.constexpr,  # x is the gate/up projection's output; the product takes silu(gate) * up
     EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -139,8 +146,8 @@ def _few_rows_kernel(
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     sum_squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    acc, acc_up, sum_squares = _products(w, up_w, x_ptrs, m_mask[:, None] & k_mask[None, :], norm_w, acc, acc_up,
-                                         sum_squares, NORM, SILU_MUL, DOT_F32, dtype)
+    acc, acc_up, sum_squares = _products(w, up_w, x_ptrs, m_mask[:, None] & k_mask[None, :], K, norm_w, acc, acc_up,
+                                         sum_squares, NORM, SILU_MUL, SILU_INPUT, DOT_F32, dtype)
     for k in range(BLOCK_K, K, BLOCK_K):
         k_mask = k + k_offsets < K
         w_mask = n_mask[:, None] & k_mask[None, :]
@@ -149,8 +156,8 @@ def _few_rows_kernel(
             up_w = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
         if NORM:
             norm_w = tl.load(norm_w_ptr + k + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
-        acc, acc_up, sum_squares = _products(w, up_w, x_ptrs + k, m_mask[:, None] & k_mask[None, :], norm_w, acc,
-                                             acc_up, sum_squares, NORM, SILU_MUL, DOT_F32, dtype)
+        acc, acc_up, sum_squares = _products(w, up_w, x_ptrs + k, m_mask[:, None] & k_mask[None, :], K, norm_w, acc,
+                                             acc_up, sum_squares, NORM, SILU_MUL, SILU_INPUT, DOT_F32, dtype)
 
     if NORM:  # output n of row m sits at [n, m]
         inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)  # [ROWS]
@@ -210,6 +217,7 @@ def linear_few_rows(
     out: torch.Tensor | None = None,
     tile: FewRowsTile | None = None,
     dependent_launch: bool = False,
+    silu_input: bool = False,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for 1 to ``MAX_ROWS`` rows, optionally with RMSNorm before and SiLU *
     up or a residual add after, in one kernel.
@@ -221,7 +229,16 @@ def linear_few_rows(
     1 / rms scales the products (see the module docstring for where that rounds). ``tile``: the
     launch's tiling (default ``default_tile``'s). Nothing is allocated when ``out`` is given, and the
     launch depends on shapes only: safe inside a CUDA graph. ``dependent_launch``: launch as a
-    programmatic dependent of the previous kernel."""
+    programmatic dependent of the previous kernel. ``silu_input``: x is a gate/up projection's output
+    [M, 2 * K] (gate columns, then up) and the product takes ``silu(gate) * up`` [M, K], as
+    ``graphrt.kernels.activation.silu_and_mul`` rounds it (the down projection with the activation
+    fused in)."""
+    if silu_input:
+        if norm_weight is not None:
+            raise ValueError("silu_input and norm_weight do not combine: the input is either normalised or activated")
+        if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
+            raise ValueError(f"silu_input needs x [M, 2 * {weight.shape[-1]}] (gate, then up), got {tuple(x.shape)}")
+        x = x[:, : weight.shape[-1]]  # the gate half; the kernel reads up K columns on
     rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out)
     if rows > MAX_ROWS:
         raise ValueError(f"{rows} rows exceed the {MAX_ROWS} linear_few_rows takes; use torch.nn.functional.linear")
@@ -231,7 +248,7 @@ def linear_few_rows(
     _few_rows_kernel[(triton.cdiv(out_features, tile.block_n),)](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), rows, out_features, in_features,
-        NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, SILU_INPUT=silu_input, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROWS=MAX_ROWS,
         DOT_F32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(dependent_launch),

@@ -58,9 +58,12 @@ class LlamaAttention(nn.Module):
             self._rope_and_write_cache = triton_rope_cache_write.rope_and_write_kv_cache
             self._project_rope_and_write_cache = triton_rope_cache_write.project_rope_and_write_kv_cache
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata))
+    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
+                project_out: bool = True) -> torch.Tensor:
+        """positions: [T] int64; hidden: [T, hidden] (normalised) -> [T, hidden], or with ``project_out``
+        False the attention output [T, q] before the output projection."""
+        attended = self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata)
+        return self.o_proj(attended) if project_out else attended
 
     def attend(self, positions, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: [T, q + 2 kv] projections (q and k not yet rotated) -> attention output [T, q], before
@@ -154,39 +157,50 @@ class LlamaDecoderLayer(nn.Module):
         a split-K reduce (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
         Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
         the stream, updated in place, carries everything."""
-        return self._forward_fused_linears(positions, hidden, residual, kv_cache, attn_metadata, few_rows=False)
-
-    def forward_few_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """The same layer for 2-16 tokens (decode at small batches) on the tensor-core few-rows kernels
-        (``graphrt.kernels.few_rows``): QKV with the input norm, rotary + cache write, attention, O
-        adding into the stream, gate/up with the norm and SiLU * up, down adding into the stream; six
-        kernels, all dependent launches, against ``forward``'s ten. Arguments and result as
-        ``forward_gemv``'s."""
-        return self._forward_fused_linears(positions, hidden, residual, kv_cache, attn_metadata, few_rows=True)
-
-    def _forward_fused_linears(self, positions, hidden, residual, kv_cache, attn_metadata, few_rows: bool):
         if self._gemv is None:
-            raise RuntimeError("forward_gemv and forward_few_rows need a layer built with fused_kernels=True")
-        if residual is None:
-            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
-        elif hidden is not None:
-            residual = residual + hidden
+            raise RuntimeError("forward_gemv needs a layer built with fused_kernels=True")
+        residual = self._stream(hidden, residual)
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
-        if few_rows:
-            linear = self._few_rows.linear_few_rows
-            qkv = linear(residual, attention.qkv_proj.weight, attention.qkv_proj.bias,
-                         norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, **launch)
-            attended = attention.attend(positions, qkv, kv_cache, attn_metadata)
-        else:
-            linear = kernels.linear_gemv
-            attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
-        linear(attended, attention.o_proj.weight, attention.o_proj.bias, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
-               out=residual, **launch)
-        activated = linear(residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-                           eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch)
-        linear(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
+        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
+        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
+        activated = kernels.linear_gemv(
+            residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
+        )
+        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
+                            **launch)
         return None, residual
+
+    def forward_few_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
+        """The same layer for 2-16 tokens (decode at small batches): QKV and gate/up stay on cuBLAS, which
+        streams those matrices fastest there, each after a norm kernel; O and down run on the few-rows
+        kernels (``graphrt.kernels.few_rows``), adding into the residual stream in place, the down
+        projection taking SiLU * up on its input. Eight kernels against ``forward``'s ten: no split-K
+        reduces, no SiLU kernel, the norms without residual adds. Arguments and result as
+        ``forward_gemv``'s."""
+        if self._few_rows is None:
+            raise RuntimeError("forward_few_rows needs a layer built with fused_kernels=True")
+        residual = self._stream(hidden, residual)
+        attention, mlp, kernels = self.self_attn, self.mlp, self._few_rows
+        launch = {"dependent_launch": self.dependent_launch}
+        attended = attention(positions, self.input_layernorm(residual), kv_cache, attn_metadata, project_out=False)
+        kernels.linear_few_rows(attended, attention.o_proj.weight, attention.o_proj.bias,
+                                epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
+        gate_up = mlp.gate_up_proj(self.post_attention_layernorm(residual))
+        kernels.linear_few_rows(gate_up, mlp.down_proj.weight, silu_input=True, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
+                                out=residual, **launch)
+        return None, residual
+
+    @staticmethod
+    def _stream(hidden, residual):
+        """The residual stream that the in-place layers update: the embeddings (a fresh tensor) for the
+        first layer, else the stream with a pending ``hidden`` added (None: nothing pending)."""
+        if residual is None:
+            return hidden
+        return residual if hidden is None else residual + hidden
+
 
 
 class LlamaForCausalLM(nn.Module):
