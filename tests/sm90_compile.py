@@ -57,26 +57,6 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in
                 aligned_ints=list(integers))  # the presets' widths are multiples of 16
 
 
-def few_rows_case(name: str, dtype: str, variant: str, tile, pdl: bool = False) -> dict:
-    """A case for ``graphrt.kernels.few_rows._few_rows_kernel``, as ``gemv_case`` (``variant`` also
-    "silu_add": SiLU * up on the input, the residual add after; ``tile``: a ``few_rows.FewRowsTile``,
-    whose ``num_stages`` the launch passes)."""
-    from graphrt.kernels import few_rows, gemv
-
-    pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
-    integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "M", "N", "K")}
-    epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT,
-                "silu_add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
-    constexprs = dict(NORM=variant.startswith("norm"), SILU_INPUT=variant == "silu_add", EPILOGUE=epilogue,
-                      HAS_BIAS=variant == "bias", BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROWS=few_rows.MAX_ROWS,
-                      DOT_F32=dtype == "fp32",
-                      PDL=pdl)
-    return dict(name=name, module="graphrt.kernels.few_rows", kernel="_few_rows_kernel",
-                signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
-                num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
-                aligned_ints=[arg for arg in integers if arg != "M"])  # M: a row count, any value
-
-
 def _compile(case: dict) -> dict:
     import importlib
 

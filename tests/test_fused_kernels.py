@@ -211,25 +211,14 @@ def test_rope_cache_write_fp8_gpu():
 # -- whole model ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("few_rows_layers", [False, True], ids=["cublas_batches", "few_rows_batches"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_engine_matches_unfused(dtype, few_rows_layers, monkeypatch):
+def test_fused_engine_matches_unfused(dtype, monkeypatch):
     """Same greedy tokens and (nearly) the same logits from the fused and the unfused model, over
     prompts of different lengths decoding together, and over one prompt decoding alone (the one-row
-    GEMV layers of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel). With
-    ``few_rows_layers`` the forwards of 2-16 tokens (the batch's decode steps, short prompts) run the
-    layers on ``graphrt.kernels.few_rows``, which the model otherwise takes only with dependent launches
-    (a GPU's)."""
+    GEMV layers of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel)."""
     from graphrt import LLM, SamplingParams
-    from graphrt.kernels import few_rows, gemv
+    from graphrt.kernels import gemv
     from hf_reference import graphrt_greedy_with_logits
-
-    few_rows_counts = []  # the token count of every few-rows call
-    if few_rows_layers:
-        linear_few_rows = few_rows.linear_few_rows
-        monkeypatch.setattr(few_rows, "layer_max_tokens", lambda *args: few_rows.MAX_ROWS)
-        monkeypatch.setattr(few_rows, "linear_few_rows",
-                            lambda x, *a, **k: few_rows_counts.append(x.shape[0]) or linear_few_rows(x, *a, **k))
 
     gemv_rows = []  # the token count of every GEMV call
     linear_gemv = gemv.linear_gemv
@@ -253,9 +242,6 @@ def test_fused_engine_matches_unfused(dtype, few_rows_layers, monkeypatch):
     assert gemv_rows, "the one-row decode never ran the GEMV layers"
     assert set(gemv_rows) == {1}, "a forward of several tokens ran the GEMV layers"
     assert set(qkv_rows) == {1}, "the one-row layers did not project, rotate and cache in one kernel"
-    if few_rows_layers:
-        assert 4 in few_rows_counts, "the four-sequence decode did not run the few-rows layers"
-        assert max(few_rows_counts) <= few_rows.MAX_ROWS and min(few_rows_counts) > 1
     assert outputs[True] == outputs[False]
     assert drawn[True] == drawn[False]
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.05)

@@ -58,12 +58,9 @@ class LlamaAttention(nn.Module):
             self._rope_and_write_cache = triton_rope_cache_write.rope_and_write_kv_cache
             self._project_rope_and_write_cache = triton_rope_cache_write.project_rope_and_write_kv_cache
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
-                project_out: bool = True) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, hidden] (normalised) -> [T, hidden], or with ``project_out``
-        False the attention output [T, q] before the output projection."""
-        attended = self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata)
-        return self.o_proj(attended) if project_out else attended
+    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata))
 
     def attend(self, positions, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: [T, q + 2 kv] projections (q and k not yet rotated) -> attention output [T, q], before
@@ -130,11 +127,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels, dependent_launch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
-        self._gemv = self._few_rows = None
+        self._gemv = None
         if fused_kernels:
-            from ..kernels import few_rows, gemv
+            from ..kernels import gemv
 
-            self._gemv, self._few_rows = gemv, few_rows
+            self._gemv = gemv
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
@@ -159,7 +156,10 @@ class LlamaDecoderLayer(nn.Module):
         the stream, updated in place, carries everything."""
         if self._gemv is None:
             raise RuntimeError("forward_gemv needs a layer built with fused_kernels=True")
-        residual = self._stream(hidden, residual)
+        if residual is None:
+            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
+        elif hidden is not None:
+            residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         launch = {"dependent_launch": self.dependent_launch}
         attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
@@ -172,35 +172,6 @@ class LlamaDecoderLayer(nn.Module):
         kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
                             **launch)
         return None, residual
-
-    def forward_few_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """The same layer for 2-16 tokens (decode at small batches): QKV and gate/up stay on cuBLAS, which
-        streams those matrices fastest there, each after a norm kernel; O and down run on the few-rows
-        kernels (``graphrt.kernels.few_rows``), adding into the residual stream in place, the down
-        projection taking SiLU * up on its input. Eight kernels against ``forward``'s ten: no split-K
-        reduces, no SiLU kernel, the norms without residual adds. Arguments and result as
-        ``forward_gemv``'s."""
-        if self._few_rows is None:
-            raise RuntimeError("forward_few_rows needs a layer built with fused_kernels=True")
-        residual = self._stream(hidden, residual)
-        attention, mlp, kernels = self.self_attn, self.mlp, self._few_rows
-        launch = {"dependent_launch": self.dependent_launch}
-        attended = attention(positions, self.input_layernorm(residual), kv_cache, attn_metadata, project_out=False)
-        kernels.linear_few_rows(attended, attention.o_proj.weight, attention.o_proj.bias,
-                                epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
-        gate_up = mlp.gate_up_proj(self.post_attention_layernorm(residual))
-        kernels.linear_few_rows(gate_up, mlp.down_proj.weight, silu_input=True, epilogue=kernels.EPILOGUE_ADD_TO_OUT,
-                                out=residual, **launch)
-        return None, residual
-
-    @staticmethod
-    def _stream(hidden, residual):
-        """The residual stream that the in-place layers update: the embeddings (a fresh tensor) for the
-        first layer, else the stream with a pending ``hidden`` added (None: nothing pending)."""
-        if residual is None:
-            return hidden
-        return residual if hidden is None else residual + hidden
-
 
 
 class LlamaForCausalLM(nn.Module):
@@ -244,18 +215,13 @@ class LlamaForCausalLM(nn.Module):
         #: Forwards of at most this many tokens run the layers' ``forward_gemv``: ``gemv.MAX_ROWS`` with
         #: fused kernels where the GEMV kernels beat cuBLAS (``graphrt.kernels.gemv.beats_cublas``), else 0.
         self.gemv_max_tokens = 0
-        #: Forwards of more than ``gemv_max_tokens`` and at most this many tokens run the layers'
-        #: ``forward_few_rows`` (``few_rows.layer_max_tokens``: with dependent launches only).
-        self.few_rows_max_tokens = 0
         if fused_kernels and len(self.layers):
-            from ..kernels import few_rows, gemv
+            from ..kernels import gemv
 
             layer = self.layers[0]
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            layer_bytes = sum(linear.weight.nbytes for linear in linears)
-            if gemv.beats_cublas(layer_bytes, dependent_launch):
+            if gemv.beats_cublas(sum(linear.weight.nbytes for linear in linears), dependent_launch):
                 self.gemv_max_tokens = gemv.MAX_ROWS
-            self.few_rows_max_tokens = few_rows.layer_max_tokens(layer_bytes, dependent_launch)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -264,17 +230,6 @@ class LlamaForCausalLM(nn.Module):
     def runs_gemv_layers(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_gemv``."""
         return 0 < num_tokens <= self.gemv_max_tokens
-
-    def runs_few_rows_layers(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_few_rows``."""
-        return not self.runs_gemv_layers(num_tokens) and 0 < num_tokens <= self.few_rows_max_tokens
-
-    def _layer_forward(self, num_tokens: int):
-        if self.runs_gemv_layers(num_tokens):
-            return LlamaDecoderLayer.forward_gemv
-        if self.runs_few_rows_layers(num_tokens):
-            return LlamaDecoderLayer.forward_few_rows
-        return LlamaDecoderLayer.__call__
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -291,10 +246,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
 
         A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
-        one-token prompt) runs each layer's ``forward_gemv``; one of up to ``few_rows_max_tokens``
-        (small decode batches) ``forward_few_rows``; others run cuBLAS GEMMs.
+        one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
         """
-        run = self._layer_forward(input_ids.shape[0])
+        gemv = self.runs_gemv_layers(input_ids.shape[0])
+        run = LlamaDecoderLayer.forward_gemv if gemv else LlamaDecoderLayer.__call__
         hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
