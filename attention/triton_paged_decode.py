@@ -387,7 +387,7 @@ def _decode_split_kernel(
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if SINGLE_SPLIT:
         # The whole live range was one slice: seq_len >= 1 guarantees l_i > 0.
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_normalised(out_ptrs, acc, l_i, out_mask)
     else:
         # Splits whose slice starts past the live range (a graph captured for a long context running a
         # short sequence: most of them) have nothing to add and neither store nor count in; the live
@@ -396,7 +396,7 @@ def _decode_split_kernel(
         live_splits = tl.cdiv(seq_len - first_key, tl.maximum(slice_len, 1))
         if live_splits == 1:
             if split == 0:
-                tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store_normalised(out_ptrs, acc, l_i, out_mask)
         elif split < live_splits:
             stat = seq.to(tl.int64) * stride_wb + heads * stride_wh + split
             tl.store(m_ptr + stat, m_i, mask=row_ok)
@@ -413,6 +413,13 @@ def _decode_split_kernel(
                 _merge_splits(out_ptr, m_ptr, l_ptr, acc_ptr, seq, kv_head * GROUP, stride_ob, stride_oh,
                               stride_wb, stride_wh, live_splits, GROUP, GROUP_MERGE, HEAD_SIZE, HEAD_PAD,
                               SPLITS_PAD, SPLITS_CHUNK)
+
+
+@triton.jit
+def _store_normalised(out_ptrs, acc, l_i, mask):
+    """A split that covered the whole live range writes its output itself: ``acc / l_i`` ([GROUP_PAD,
+    HEAD_PAD] float32 over [GROUP_PAD]), in the output's dtype, at ``out_ptrs`` under ``mask``."""
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
