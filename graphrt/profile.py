@@ -532,10 +532,12 @@ def profile_decode(
     })
 
 
-def _rounded(value, digits: int = 3):
-    """``value`` with every float in it rounded (keeps the JSON readable)."""
+def _rounded(value, digits: int = 6):
+    """``value`` with every float in it rounded to ``digits`` significant digits (keeps the JSON readable).
+    Significant digits, not decimal places: a small share of the step (an operator's on a slow or busy
+    host) stays positive instead of rounding to 0."""
     if isinstance(value, float):
-        return round(value, digits)
+        return float(f"{value:.{digits}g}")
     if isinstance(value, dict):
         return {k: _rounded(v, digits) for k, v in value.items()}
     if isinstance(value, list):

@@ -281,3 +281,13 @@ def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
     assert "between 25.0 us" in text and "mean 8.3 us" in text
     assert "kernel_a" in text and "cudaGraphLaunch" in text and "note: a note" in text
     assert re.search(r"exposed: time not covered [^\n]*\n  kernel_a \[-\] +2\.0 +30\.0 +15\.00 +30\.0%\n  kernel_b \[-\]", text)
+
+
+def test_breakdown_rounding_keeps_small_shares_positive():
+    """The JSON's floats keep six significant digits: an operator's small share of a long step (a busy
+    host's) must not round to 0, which would read as "took no time"."""
+    from graphrt.profile import _rounded
+
+    assert _rounded({"share_of_step": 0.000123456789, "us": [8946.8741234, 2.0]}) == {
+        "share_of_step": 0.000123457, "us": [8946.87, 2.0]}
+    assert _rounded(0.0) == 0.0 and _rounded("text") == "text" and _rounded(3) == 3
