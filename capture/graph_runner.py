@@ -298,6 +298,12 @@ class DecodeGraphRunner:
         """Whether ``batch`` runs through the static buffers (replayed, or eager on the same tensors)."""
         return self.fits(len(batch), max(batch.seq_lens, default=0))
 
+    def can_carry(self, rows: Sequence[int]) -> bool:
+        """Whether the previous launch left the sampled tokens of ``rows`` (its row indices) in the static
+        buffers, where ``launch(..., carry_rows=rows)`` gathers them: it ran through the buffers (a batch
+        too large or too long for them runs outside) with more rows than the largest named."""
+        return all(0 <= row < self._carried_rows for row in rows)
+
     def fits(self, rows: int, longest_seq_len: int) -> bool:
         """Whether ``rows`` rows whose longest holds ``longest_seq_len`` keys fit the static buffers."""
         return rows <= self.max_batch_size and longest_seq_len <= self.max_seq_len

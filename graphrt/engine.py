@@ -208,13 +208,14 @@ class LLMEngine:
         tables grown by one position. A sequence that finished (a stop token, seen now) or ends with the
         token in flight (max_tokens, max_model_len) is left out. Nothing (wait for the tokens, then
         schedule as usual) when a waiting prompt can be admitted, the blocks do not fit (preemption),
-        or the rows outgrow the decode graphs' static buffers."""
+        the in-flight launch ran outside the decode graphs' static buffers (it outgrew them: its tokens
+        are not there to carry), or the rows outgrow them now."""
         rows = [row for row, seq in enumerate(seqs)
                 if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
         following = [seqs[row] for row in rows]
         if not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following)):
             return [], []
-        if not self.runner.can_launch_ahead(following):
+        if not self.runner.can_launch_ahead(following, rows):
             return [], []
         # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
         targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]

@@ -71,10 +71,13 @@ class ModelRunner:
         with nvtx.decode(len(decodes)):
             return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_rows=ahead_from)
 
-    def can_launch_ahead(self, decodes: list[Sequence]) -> bool:
-        """Whether ``launch_decode(decodes, ahead=True)`` can run: one row further, the batch still fits
-        the decode runner's static buffers (rows that outgrow them decode eagerly, from host ids)."""
-        return self.decode_runner.fits(len(decodes), max((seq.num_tokens + 1 for seq in decodes), default=0))
+    def can_launch_ahead(self, decodes: list[Sequence], ahead_from: list[int]) -> bool:
+        """Whether ``launch_decode(decodes, ahead_from)`` can run: the launch in flight ran through the
+        decode runner's static buffers, so its tokens for rows ``ahead_from`` are there to carry (a batch
+        that outgrew them ran outside, and its tokens come back through the host only), and one position
+        further the batch still fits them (rows that outgrow them decode eagerly, from host ids)."""
+        longest = max((seq.num_tokens + 1 for seq in decodes), default=0)
+        return self.decode_runner.can_carry(ahead_from) and self.decode_runner.fits(len(decodes), longest)
 
     def _decode_batch(self, decodes: list[Sequence], ahead: bool = False) -> DecodeBatch:
         """The decode of each sequence's newest token (``ahead``: of the token after it, see ``launch_decode``)."""

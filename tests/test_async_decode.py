@@ -171,6 +171,20 @@ def _batch(engine, seq_ids, context, input_ids) -> DecodeBatch:
     )
 
 
+@pytest.mark.parametrize("options,prompts", [
+    (dict(capture_sizes=[2]), [[5, 6, 7], [8, 9], [10, 11, 12]]),  # three rows outgrow two
+    (dict(max_capture_seq_len=16), [list(range(3, 23)), [8, 9], [10, 11, 12]]),  # a row longer than captured
+], ids=["rows", "length"])
+def test_batch_back_inside_the_static_buffers_matches_sync(sync_llm, options, prompts):
+    """A launch that outgrew the decode runner's static buffers ran outside them; when a row finishes and
+    the others fit again, the next launch cannot carry ids those buffers never received: it waits for the
+    tokens and feeds them from the host (before, generate raised on the carry)."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 6, 6)]
+    llm = LLM(**TINY, async_decode=True, max_num_seqs=4, **options)
+    assert _outputs(llm, prompts, params) == _outputs(sync_llm, prompts, params)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_runner_carried_input_ids_equal_host_fed(async_llm):
     """Three steps of three rows: carrying the ids on the device gives the tokens that feeding each
     step's sampled ids back from the host gives."""
