@@ -3,6 +3,7 @@ at a time (``add_request`` / ``step``), which is also what ``LLM.generate`` loop
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -125,11 +126,17 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # A copy, validated again: fields the caller changed since building it are checked now, and its
+        # later changes cannot reach the queued request.
+        params = dataclasses.replace(params)
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids, params)
         seq_id = next(self._seq_ids)
-        # Generated ids carry a prefix so they cannot collide with ids a caller chose.
-        request_id = f"req-{seq_id}" if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = f"req-{seq_id}"
+            while request_id in self._requests:  # a caller chose that id: take the next free one
+                request_id = f"req-{seq_id}-{next(self._seq_ids)}"
+        request_id = str(request_id)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_source.randrange(2**63)

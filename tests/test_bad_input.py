@@ -78,6 +78,40 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_sampling_params_changed_after_building_are_checked_on_arrival(llm):
+    """Fields set after ``SamplingParams`` validated them are checked again when the request arrives
+    (nothing queued), and a queued request keeps the values it arrived with."""
+    bad = SamplingParams(temperature=0.8, max_tokens=3)
+    for field, value in [("temperature", -1.0), ("top_p", 5.0), ("max_tokens", 0), ("seed", -5)]:
+        changed = SamplingParams(temperature=0.8, max_tokens=3)
+        setattr(changed, field, value)
+        with pytest.raises(InvalidRequestError, match=field):
+            llm.engine.add_request([1, 2, 3], changed)
+        assert not llm.engine.has_unfinished_requests()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]], params)[0]
+    llm.engine.add_request([1, 2, 3], params, request_id="kept")
+    params.max_tokens = 9
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.token_ids) for o in llm.engine.step())
+    assert outputs["kept"] == out.token_ids and len(out.token_ids) == 3
+    assert bad.temperature == 0.8  # the caller's object is not modified
+
+
+def test_generated_request_ids_skip_ids_a_caller_chose(llm):
+    """A caller may pick an id of the generated form; the request that would have been generated that
+    id gets another instead of being rejected."""
+    number = int(llm.engine.add_request([1, 2], GREEDY).removeprefix("req-"))
+    taken = f"req-{number + 2}"  # the next call takes number + 1; generate's first would get number + 2
+    llm.engine.add_request([1, 2, 3], GREEDY, request_id=taken)
+    outputs = llm.generate([[4, 5], [6, 7]], GREEDY)
+    assert [o.error for o in outputs] == [None, None]
+    assert len({o.request_id for o in outputs} | {taken}) == 3
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
 def test_stop_token_outside_vocab_is_rejected(llm):
     with pytest.raises(InvalidRequestError, match="stop token id 700"):
         llm.engine.add_request([1, 2], SamplingParams(stop_token_ids=[700]))
