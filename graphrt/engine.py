@@ -175,7 +175,12 @@ class LLMEngine:
             self._in_flight = _InFlightDecode(scheduled.decodes, self.runner.launch_decode(scheduled.decodes))
             return []
         seqs = scheduled.prefills + scheduled.decodes
-        token_ids = self.runner.execute(scheduled.prefills, scheduled.decodes)
+        try:
+            token_ids = self.runner.execute(scheduled.prefills, scheduled.decodes)
+        except BaseException:
+            # Decodes left as they were run this token again next step; prompts are prefilled again.
+            self.scheduler.requeue_prefills(scheduled.prefills)
+            raise
         return self._record_tokens(seqs, token_ids)
 
     def _step_pipelined(self, in_flight: _InFlightDecode) -> list[RequestOutput]:

@@ -89,13 +89,26 @@ class Scheduler:
         self.running.insert(position, seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._return_to_waiting(seq)
+        seq.num_preemptions += 1
+
+    def _return_to_waiting(self, seq: Sequence) -> None:
+        """A running sequence back to the front of the queue, its blocks freed, to be prefilled again
+        (it is older than every queued one)."""
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        # Preempted sequences are older than every queued one, so they go to the front.
         self.waiting.appendleft(seq)
+
+    def requeue_prefills(self, seqs: list[Sequence]) -> None:
+        """Sequences admitted by the last ``schedule`` whose step failed (an exception or interrupt in
+        the forward): their prompts' K/V may be half-written, so they go back to the queue in the order
+        they were admitted, to be prefilled again; without this the next step would decode them on a
+        cache that lacks their prompts."""
+        for seq in reversed(seqs):
+            if seq in self.running:
+                self._return_to_waiting(seq)
 
     def finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
         """After tokens were appended: release finished sequences' blocks; returns those finished."""

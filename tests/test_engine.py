@@ -130,3 +130,34 @@ def test_scheduler_can_admit_mirrors_the_prefill_rules():
     assert scheduler.schedule().prefills  # admitted: 3 blocks taken
     scheduler.add(seq(2, 1))
     assert not scheduler.can_admit()  # no block left
+
+
+@pytest.mark.parametrize("failing", ["_prefill", "decode"])
+def test_a_step_that_raises_leaves_requests_to_finish_as_if_it_had_not_run(llm, failing, monkeypatch):
+    """An exception (an interrupt, most likely) inside a step's forward propagates; the requests stay
+    queued and, stepped on, produce what they would have: a prompt admitted by that step is prefilled
+    again rather than decoded on a cache that lacks its K/V, a decode runs its token again."""
+    prompts = _prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    owner = engine.runner if failing == "_prefill" else engine.runner.decode_runner
+    original = getattr(owner, failing)
+    calls = {"n": 0}
+
+    def fails_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1 + (failing == "decode"):  # the first prefill, or the second decode
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, failing, fails_once)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = {}
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o.token_ids) for o in engine.step())
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.token_ids) for o in engine.step())
+    assert [outputs[i] for i in ids] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
