@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import math
 import re
 import statistics
 import time
@@ -532,16 +533,18 @@ def profile_decode(
     })
 
 
-def _rounded(value, digits: int = 6):
-    """``value`` with every float in it rounded to ``digits`` significant digits (keeps the JSON readable).
-    Significant digits, not decimal places: a small share of the step (an operator's on a slow or busy
-    host) stays positive instead of rounding to 0."""
+def _rounded(value, digits: int = 3, significant: int = 6):
+    """``value`` with every float in it rounded (keeps the JSON readable): to ``digits`` decimal places,
+    more where the value needs them to keep ``significant`` significant digits, so a small share of the
+    step (an operator's on a slow or busy host) stays positive instead of rounding to 0."""
     if isinstance(value, float):
-        return float(f"{value:.{digits}g}")
+        if value and math.isfinite(value):
+            digits = max(digits, significant - 1 - math.floor(math.log10(abs(value))))
+        return round(value, digits)
     if isinstance(value, dict):
-        return {k: _rounded(v, digits) for k, v in value.items()}
+        return {k: _rounded(v, digits, significant) for k, v in value.items()}
     if isinstance(value, list):
-        return [_rounded(v, digits) for v in value]
+        return [_rounded(v, digits, significant) for v in value]
     return value
 
 

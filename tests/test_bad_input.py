@@ -81,7 +81,6 @@ def test_invalid_sampling_params_name_the_field(field, value):
 def test_sampling_params_changed_after_building_are_checked_on_arrival(llm):
     """Fields set after ``SamplingParams`` validated them are checked again when the request arrives
     (nothing queued), and a queued request keeps the values it arrived with."""
-    bad = SamplingParams(temperature=0.8, max_tokens=3)
     for field, value in [("temperature", -1.0), ("top_p", 5.0), ("max_tokens", 0), ("seed", -5)]:
         changed = SamplingParams(temperature=0.8, max_tokens=3)
         setattr(changed, field, value)
@@ -96,7 +95,6 @@ def test_sampling_params_changed_after_building_are_checked_on_arrival(llm):
     while llm.engine.has_unfinished_requests():
         outputs.update((o.request_id, o.token_ids) for o in llm.engine.step())
     assert outputs["kept"] == out.token_ids and len(out.token_ids) == 3
-    assert bad.temperature == 0.8  # the caller's object is not modified
 
 
 def test_generated_request_ids_skip_ids_a_caller_chose(llm):

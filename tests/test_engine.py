@@ -136,7 +136,8 @@ def test_scheduler_can_admit_mirrors_the_prefill_rules():
 def test_a_step_that_raises_leaves_requests_to_finish_as_if_it_had_not_run(llm, failing, monkeypatch):
     """An exception (an interrupt, most likely) inside a step's forward propagates; the requests stay
     queued and, stepped on, produce what they would have: a prompt admitted by that step is prefilled
-    again rather than decoded on a cache that lacks its K/V, a decode runs its token again."""
+    again rather than decoded on a cache that lacks its K/V (the ``_prefill`` case), and a decode-only
+    step runs its token again (the ``decode`` case, which held before that fix too: it guards it)."""
     prompts = _prompts(3, seed=4)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]

@@ -284,10 +284,11 @@ def test_gpu_breakdown_prints_kernels_gaps_and_graph_note():
 
 
 def test_breakdown_rounding_keeps_small_shares_positive():
-    """The JSON's floats keep six significant digits: an operator's small share of a long step (a busy
-    host's) must not round to 0, which would read as "took no time"."""
+    """The JSON's floats keep three decimals, more where a value needs them for six significant digits:
+    an operator's small share of a long step (a busy host's) must not round to 0, which would read as
+    "took no time"; long step times keep their microseconds."""
     from graphrt.profile import _rounded
 
-    assert _rounded({"share_of_step": 0.000123456789, "us": [8946.8741234, 2.0]}) == {
-        "share_of_step": 0.000123457, "us": [8946.87, 2.0]}
+    assert _rounded({"share_of_step": 0.000123456789, "us": [8946.8741234, 1234567.8912, 2.0]}) == {
+        "share_of_step": 0.000123457, "us": [8946.874, 1234567.891, 2.0]}
     assert _rounded(0.0) == 0.0 and _rounded("text") == "text" and _rounded(3) == 3
