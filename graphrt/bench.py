@@ -24,6 +24,7 @@ from graphrt.capture.buckets import choose_bucket
 
 from .config import resolve_dtype
 from .engine import LLMEngine
+from .errors import ConfigError
 from .sampling_params import SamplingParams
 from .workload import decode_engine, fill_decode_batch, synchronize
 
@@ -193,7 +194,11 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
 
     ``fused_kernels``, ``dependent_launch``: as the ``EngineConfig`` fields; ``compare_unfused``: also time the graphs
-    with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy)."""
+    with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy). Raises
+    ConfigError, before building anything, for no points or fewer than one step."""
+    if steps < 1 or not batch_sizes or not contexts or min(*batch_sizes, *contexts) < 1:
+        raise ConfigError(f"bench needs steps >= 1 and at least one batch size and context, each >= 1; got "
+                          f"steps={steps}, batch sizes {list(batch_sizes)}, contexts {list(contexts)}")
     params = params or SamplingParams(temperature=0.0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")

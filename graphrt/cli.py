@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from .errors import GraphrtError
 from .info import collect_info, format_info
@@ -20,6 +21,45 @@ def comma_separated_ints(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def comma_separated_positive_ints(text: str) -> list[int]:
+    """argparse type for a non-empty list like ``1,8,64`` of integers >= 1 (batch sizes, contexts)."""
+    values = comma_separated_ints(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type for an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """argparse type for a file a command writes when it ends: its folder must exist now, so that a
+    long run does not fail at its last step."""
+    folder = Path(text).expanduser().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} does not exist")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder")
+    return text
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
@@ -100,18 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
         "KV bytes over the HBM read bandwidth measured in the same run). On CPU: eager only, no floor.",
     )
     add_model_arguments(bench, default_model="random:llama-3.2-1b")
-    bench.add_argument("--batch-sizes", type=comma_separated_ints, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
+    bench.add_argument("--batch-sizes", type=comma_separated_positive_ints, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
                        help="default 1,8,32,64,128,256")
-    bench.add_argument("--contexts", type=comma_separated_ints, default=[512], metavar="512,4096", help="default 512")
-    bench.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
+    bench.add_argument("--contexts", type=comma_separated_positive_ints, default=[512], metavar="512,4096", help="default 512")
+    bench.add_argument("--steps", type=positive_int, default=30, help="timed decode steps per point (median)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="every row's sampling temperature (default 0: greedy)")
     bench.add_argument("--top-k", type=int, default=0, help="every row's top-k (default 0: off)")
     bench.add_argument("--top-p", type=float, default=1.0, help="every row's top-p (default 1: off)")
     bench.add_argument("--compare-unfused", action="store_true",
                        help="also time the graphs built with the unfused reference kernels (CUDA only)")
-    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    bench.add_argument("--plot", metavar="FILE", help="write a PNG of ms/step against batch size")
+    bench.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
+    bench.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of ms/step against batch size")
 
     prof = commands.add_parser(
         "profile", parents=[common],
@@ -123,16 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and the GPU's idle time and gaps between kernels. On CPU: the trace and host operators only.",
     )
     add_model_arguments(prof, default_model="random:llama-3.2-1b")
-    prof.add_argument("--batch-size", type=int, default=1, help="sequences decoded per step (default 1)")
-    prof.add_argument("--context", type=int, default=512, help="tokens already in each sequence (default 512)")
-    prof.add_argument("--steps", type=int, default=20, help="decode steps recorded (default 20)")
-    prof.add_argument("--warmup", type=int, default=5, help="timed decode steps before recording (default 5)")
+    prof.add_argument("--batch-size", type=positive_int, default=1, help="sequences decoded per step (default 1)")
+    prof.add_argument("--context", type=positive_int, default=512, help="tokens already in each sequence (default 512)")
+    prof.add_argument("--steps", type=positive_int, default=20, help="decode steps recorded (default 20)")
+    prof.add_argument("--warmup", type=non_negative_int, default=5, help="timed decode steps before recording (default 5)")
     prof.add_argument("--enforce-eager", action="store_true",
                       help="decode without CUDA graphs (every kernel launched, and attributed, one by one)")
-    prof.add_argument("--trace", default="graphrt_trace.json", metavar="FILE",
+    prof.add_argument("--trace", type=output_file, default="graphrt_trace.json", metavar="FILE",
                       help="Chrome/Perfetto trace to write (default graphrt_trace.json; .gz compresses)")
-    prof.add_argument("--json", metavar="FILE", help="write the breakdown as JSON")
-    prof.add_argument("--top", type=int, default=15, help="kernels and host operators listed (default 15)")
+    prof.add_argument("--json", type=output_file, metavar="FILE", help="write the breakdown as JSON")
+    prof.add_argument("--top", type=positive_int, default=15, help="kernels and host operators listed (default 15)")
     prof.add_argument("--nvtx", action="store_true", help="emit graphrt's NVTX ranges too (when run under nsys)")
     return parser
 
@@ -187,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             return profile_main(args)
         return _run_generate(args)
     except GraphrtError as exc:
+        print(f"graphrt: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    except OSError as exc:  # a file that cannot be read or written (permissions, a full disk)
         print(f"graphrt: error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR
     except KeyboardInterrupt:

@@ -64,6 +64,17 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; graphrt implements "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be None or an integer >= 1, got {self.sliding_window!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -90,36 +101,41 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
-        """Build from the contents of an HF ``config.json``."""
+        """Build from the contents of an HF ``config.json``. Raises ConfigError naming the field when one
+        is missing or of the wrong type."""
+        if not isinstance(config, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
         architectures = config.get("architectures") or [None]
-        arch = architectures[0]
+        arch = architectures[0] if isinstance(architectures, list) else architectures
         if arch is None:
             model_type = config.get("model_type")
             arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM"}.get(model_type, str(model_type))
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            layers = int(config["num_hidden_layers"])
-            intermediate = int(config["intermediate_size"])
-            vocab = int(config["vocab_size"])
-        except KeyError as exc:
-            raise ConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
+        hidden = _int_field(config, "hidden_size")
+        heads = _int_field(config, "num_attention_heads")
+        layers = _int_field(config, "num_hidden_layers")
+        intermediate = _int_field(config, "intermediate_size")
+        vocab = _int_field(config, "vocab_size")
+        kv_heads = _int_field(config, "num_key_value_heads", default=heads)
+        head_dim = _int_field(config, "head_dim", default=hidden // heads if heads > 0 else 0)
         # transformers 5 writes "rope_parameters" (theta included); older versions "rope_scaling".
         rope_parameters = config.get("rope_parameters") or {}
+        if not isinstance(rope_parameters, dict):
+            raise ConfigError(f"rope_parameters must be a JSON object, got {rope_parameters!r}")
         rope_scaling = _parse_rope_scaling(config.get("rope_scaling") or rope_parameters)
         if config.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r}; graphrt implements 'silu'")
-        if config.get("mlp_bias"):
+        if _bool_field(config, "mlp_bias", False):
             raise ConfigError("MLP biases (mlp_bias: true) are not supported")
         sliding_window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        if arch == "Qwen2ForCausalLM" and not _bool_field(config, "use_sliding_window", False):
             sliding_window = None
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_theta = config.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+        for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", (config.get("bos_token_id"),))):
+            if any(not _is_index(token) for token in ids if token is not None):
+                raise ConfigError(f"{name} must be a token id (an integer >= 0) or a list of them, got "
+                                  f"{config.get(name)!r}")
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -129,13 +145,13 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope_theta),
+            max_position_embeddings=_int_field(config, "max_position_embeddings", default=4096),
+            rms_norm_eps=_float_field(config, "rms_norm_eps", 1e-5),
+            rope_theta=_float_field(config, "rope_theta", rope_parameters.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            sliding_window=int(sliding_window) if sliding_window else None,
+            tie_word_embeddings=_bool_field(config, "tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or _bool_field(config, "attention_bias", False),
+            sliding_window=_int_field({"sliding_window": sliding_window}, "sliding_window") if sliding_window else None,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -144,19 +160,61 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _int_field(config: dict[str, Any], name: str, default: int | None = None, where: str = "config.json") -> int:
+    """``config[name]`` as an int (a JSON integer, or a float with no fraction); ConfigError naming the
+    field when it is missing (without a default) or not an integer. Ranges are ModelConfig's to check."""
+    if config.get(name) is None:
+        if default is None:
+            raise ConfigError(f"{where} lacks the field {name!r}")
+        return default
+    value = config[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _float_field(config: dict[str, Any], name: str, default: float, where: str = "config.json") -> float:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(config: dict[str, Any], name: str, default: bool) -> bool:
+    value = config.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # "false" would be truthy: refuse rather than guess
+        raise ConfigError(f"config.json: {name} must be true or false, got {value!r}")
+    return value
+
+
 def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json: rope_scaling must be a JSON object, got {raw!r}")
     rope_type = raw.get("rope_type", raw.get("type"))
     if rope_type in (None, "default"):
         return None
     if rope_type != "llama3":
         raise ConfigError(f"unsupported rope_scaling type {rope_type!r}; graphrt implements 'llama3'")
+    where = "config.json rope_scaling"
+    required = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in required if raw.get(name) is None]
+    if missing:
+        raise ConfigError(f"{where} (llama3) lacks {', '.join(repr(name) for name in missing)}")
     return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+        factor=_float_field(raw, "factor", 0.0, where),
+        low_freq_factor=_float_field(raw, "low_freq_factor", 0.0, where),
+        high_freq_factor=_float_field(raw, "high_freq_factor", 0.0, where),
+        original_max_position_embeddings=_int_field(raw, "original_max_position_embeddings", where=where),
     )
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import ConfigError
 from .workload import decode_workload, synchronize
 
 DEFAULT_TRACE = "graphrt_trace.json"
@@ -467,7 +468,7 @@ def profile_decode(
     from torch.profiler import profile, schedule
 
     if steps < 1 or warmup < 0:
-        raise ValueError("steps must be >= 1 and warmup >= 0")
+        raise ConfigError(f"profile needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     engine, batch = decode_workload(model, device, dtype, batch_size, context, enforce_eager, nvtx=nvtx,
                                     fused_kernels=fused_kernels, dependent_launch=dependent_launch)
     runner, dev = engine.decode_runner, engine.device

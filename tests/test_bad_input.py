@@ -147,6 +147,63 @@ def test_unsupported_head_size(tmp_path):
         LLM(str(tmp_path), device="cpu", progress=False)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(hidden_size="abc"), "hidden_size must be an integer, got 'abc'"),
+    (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1, got 0"),
+    (dict(hidden_size=-128), "hidden_size must be an integer >= 1, got -128"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id"),
+    (dict(rope_scaling={"rope_type": "llama3"}), "rope_scaling \\(llama3\\) lacks 'factor'"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling must be a JSON object"),
+    (dict(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0"),
+], ids=["string_size", "zero_heads", "zero_layers", "negative_size", "string_bool", "string_eos",
+        "rope_without_factor", "rope_list", "zero_eps"])
+def test_malformed_config_is_refused_by_name(tmp_path, overrides, message):
+    """A config.json field of the wrong type or out of range is named, not met later as a division by
+    zero or a silently wrong model (a "false" string read as true)."""
+    _write_config(tmp_path, **overrides)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+def test_config_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="must hold a JSON object, got list"):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"model.safetensors.index.json": "{"}, "is not a JSON object with a weight_map"),
+    ({"model.safetensors.index.json": '{"weight_map": [1]}'}, "weight_map must map tensor names"),
+    ({"model.safetensors": "not a safetensors header"}, "is not a readable safetensors file"),
+], ids=["index_not_json", "index_weight_map_list", "corrupt_weights"])
+def test_malformed_weight_files_are_refused_by_name(tmp_path, files, message):
+    _write_config(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tmp_path), device="cpu", progress=False)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+    (["bench", "--batch-sizes", ""], "argument --batch-sizes: expected comma-separated integers >= 1"),
+    (["bench", "--contexts", "0"], "argument --contexts: expected comma-separated integers >= 1"),
+    (["bench", "--json", "/no/such/folder/r.json"], "the folder '/no/such/folder' does not exist"),
+    (["profile", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
+    (["profile", "--trace", "/no/such/folder/t.json"], "the folder '/no/such/folder' does not exist"),
+], ids=["bench_steps", "bench_no_batches", "bench_zero_context", "bench_json_folder", "profile_warmup",
+        "profile_trace_folder"])
+def test_cli_refuses_bad_numbers_and_output_folders_before_running(argv, message, capsys):
+    """Checked when the arguments are parsed: a run must not fail at its end on a value it could have
+    refused first (bench --steps 0 used to fail on an empty median after building the model)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--model", "random:tiny", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_pickle_weights_are_refused(tmp_path):
     _write_config(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")

@@ -103,11 +103,15 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarray | None = None,
-                      extra_tensor: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+                      extra_tensor: str | None = None, seed: int = 0, head_count: int | None = None,
+                      replace: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF (hidden 16, 4 q / 2 kv heads of 8, ffn 24, vocab 8) with q/k/v biases,
     an untied output, and one F16 tensor. Returns the HF-layout float32 tensors it encodes.
+    ``head_count`` overrides the metadata's (malformed files); ``replace`` stores the given arrays
+    under their GGUF names instead (rope_freqs included, in their own dtype).
 
     head_dim is not hidden / heads, so the loader must take it from the metadata."""
+    replace = replace or {}
     rng = np.random.default_rng(seed)
     hidden, heads, kv_heads, head_dim, ffn, vocab = 16, 4, 2, 8, 24, 8
     hf: dict[str, np.ndarray] = {
@@ -120,7 +124,7 @@ def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarr
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
+    writer.add_head_count(heads if head_count is None else head_count)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(500000.0)
@@ -138,7 +142,7 @@ def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarr
     writer.add_tensor("output_norm.weight", hf["model.norm.weight"])
     writer.add_tensor("output.weight", hf["lm_head.weight"])
     if rope_factors is not None:
-        writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
+        writer.add_tensor("rope_freqs.weight", replace.get("rope_freqs.weight", rope_factors.astype(np.float32)))
     if extra_tensor is not None:
         writer.add_tensor(extra_tensor, np.zeros((2, 2), dtype=np.float32))
     shapes = {
@@ -158,7 +162,7 @@ def _write_tiny_llama(path: Path, *, arch: str = "llama", rope_factors: np.ndarr
             if suffix == "ffn_up.weight" and layer == 1:
                 stored = value.astype(np.float16)  # F16 path; the expected value is its rounding
                 value = stored.astype(np.float32)
-            writer.add_tensor(f"blk.{layer}.{suffix}", stored)
+            writer.add_tensor(f"blk.{layer}.{suffix}", replace.get(f"blk.{layer}.{suffix}", stored))
             hf[f"model.layers.{layer}.{gguf_file._LAYER_TENSORS[suffix]}"] = value
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -255,3 +259,20 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(ModelLoadError, match=r"architecture 'gpt2' is not supported") as info:
         read_gguf(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("malformed,message", [
+    (dict(head_count=0), "num_attention_heads must be an integer >= 1, got 0"),
+    (dict(rope_factors=np.ones(4), replace={"rope_freqs.weight": np.ones(4, dtype=np.float64)}),
+     "rope_freqs.weight uses F64"),
+    (dict(replace={"blk.0.attn_k.weight": np.ones((3, 16), dtype=np.float32)}),
+     r"blk.0.attn_k.weight of shape \(3, 16\) does not hold 2 heads"),
+], ids=["zero_heads", "f64_rope_freqs", "odd_k_rows"])
+def test_malformed_files_are_refused_by_name(tmp_path, malformed, message):
+    """Metadata and tensors a converter would never write still end in a ModelLoadError that names the
+    problem, not a division by zero or a reshape error."""
+    path = tmp_path / "bad.gguf"
+    _write_tiny_llama(path, **malformed)
+    with pytest.raises(ModelLoadError, match=message):
+        checkpoint = read_gguf(path)
+        list(checkpoint.tensors())

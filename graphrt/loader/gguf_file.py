@@ -70,6 +70,9 @@ class GGUFCheckpoint:
             # the model here rotates halves like HF, so put the rows back.
             kind = tensor.name.split(".")[-2]
             if kind in heads:
+                if weight.dim() == 0 or weight.shape[0] % (2 * heads[kind]):
+                    raise ModelLoadError(f"{self.path}: tensor {tensor.name} of shape {tuple(weight.shape)} does not "
+                                         f"hold {heads[kind]} heads of rotary row pairs")
                 weight = _unpermute_rotary_rows(weight, heads[kind])
             yield name, weight
 
@@ -180,25 +183,31 @@ def _llama_config(reader: gguf.GGUFReader, path: Path, tokenizer: Tokenizer, nam
             return default
         return value
 
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // heads)
-    rope_theta = float(key("rope.freq_base", 10000.0))
+    def number(name: str, default: Any = ..., kind: type = int) -> Any:
+        value = key(name, default)
+        if isinstance(value, (bool, str, bytes, list, tuple)):
+            raise ModelLoadError(f"{path}: metadata key llama.{name} must be a number, got {value!r}")
+        return kind(value)
+
+    hidden = number("embedding_length")
+    heads = number("attention.head_count")
+    head_dim = number("attention.key_length", 0) or number("rope.dimension_count", 0) or (hidden // heads if heads else 0)
+    rope_theta = number("rope.freq_base", 10000.0, float)
     try:
         return ModelConfig(
             architecture="LlamaForCausalLM",
             # The token list, not the tokenizer: duplicate strings in it still own embedding rows.
             vocab_size=len(reader.get_field("tokenizer.ggml.tokens").data),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            intermediate_size=number("feed_forward_length"),
+            num_hidden_layers=number("block_count"),
             num_attention_heads=heads,
-            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            num_key_value_heads=number("attention.head_count_kv", heads),
             head_dim=head_dim,
-            max_position_embeddings=int(key("context_length")),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=number("context_length"),
+            rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5, float),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(reader, path, key, rope_theta, head_dim),
+            rope_scaling=_rope_scaling(reader, path, key, number, rope_theta, head_dim),
             # llama.cpp writes output.weight only when it differs from the embedding.
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
@@ -209,7 +218,8 @@ def _llama_config(reader: gguf.GGUFReader, path: Path, tokenizer: Tokenizer, nam
         raise ModelLoadError(f"{path}: {exc}") from None
 
 
-def _rope_scaling(reader: gguf.GGUFReader, path: Path, key: Any, rope_theta: float, head_dim: int) -> RopeScaling | None:
+def _rope_scaling(reader: gguf.GGUFReader, path: Path, key: Any, number: Any, rope_theta: float,
+                  head_dim: int) -> RopeScaling | None:
     kind = key("rope.scaling.type", "none")
     if kind != "none":
         raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported; graphrt implements Llama 3's")
@@ -218,12 +228,14 @@ def _rope_scaling(reader: gguf.GGUFReader, path: Path, key: Any, rope_theta: flo
         return None
     # The file keeps only the factors; recover Llama 3's parameters by checking the ones every
     # Llama 3.x release uses against them.
-    stored = gguf.quants.dequantize(factors.data, factors.tensor_type).astype(np.float64).ravel()
+    stored = _dequantize(factors, path).double().numpy().ravel()
+    if not stored.size:
+        raise ModelLoadError(f"{path}: its rope_freqs tensor is empty")
     scaling = RopeScaling(
         factor=float(stored.max()),
         low_freq_factor=1.0,
         high_freq_factor=4.0,
-        original_max_position_embeddings=int(key("rope.scaling.original_context_length", 8192)),
+        original_max_position_embeddings=number("rope.scaling.original_context_length", 8192),
     )
     expected = llama3_rope_factors(scaling, rope_theta, head_dim)
     if expected.shape != stored.shape or not np.allclose(expected, stored, rtol=1e-4):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelLoadError
@@ -29,16 +30,31 @@ class HFCheckpoint:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, CPU tensor in the checkpoint's dtype) for every tensor of every weight file."""
         for file in self.weight_files:
-            with safe_open(str(file), framework="pt") as f:
+            with _open_weights(file) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name)
+                    except (SafetensorError, OSError) as exc:
+                        raise ModelLoadError(f"{file}: tensor {name!r} cannot be read: {exc}") from None
+                    yield name, tensor
 
     def num_tensors(self) -> int:
         count = 0
         for file in self.weight_files:
-            with safe_open(str(file), framework="pt") as f:
+            with _open_weights(file) as f:
                 count += len(f.keys())
         return count
+
+
+@contextmanager
+def _open_weights(file: Path):
+    """``safe_open`` of one weight file, a corrupt or unreadable one reported as ModelLoadError naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from None
+    with handle as f:
+        yield f
 
 
 def read_hf_dir(path: str | Path) -> HFCheckpoint:
@@ -61,7 +77,12 @@ def read_hf_dir(path: str | Path) -> HFCheckpoint:
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a JSON object with a weight_map: {exc}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map must map tensor names to weight file names")
         files = sorted({path / name for name in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
