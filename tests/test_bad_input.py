@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from graphrt import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
 from graphrt.cli import main
@@ -202,6 +203,20 @@ def test_cli_refuses_bad_numbers_and_output_folders_before_running(argv, message
         main([*argv, "--model", "random:tiny", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault", ["integer", "twice"])
+def test_weights_of_the_wrong_kind_are_refused_by_name(llm, fault):
+    """An integer tensor, or one tensor met twice (in two weight files), would load as something no
+    checkpoint meant: numbers cast from integers, or whichever file came last."""
+    model = llm.engine.model
+    norm = model.norm.weight.detach().clone()  # its own values: the model is left as it was
+    weights = [("model.norm.weight", norm.to(torch.int32))] if fault == "integer" else \
+        [("model.norm.weight", norm), ("model.norm.weight", norm)]
+    message = "is torch.int32, not a floating-point weight" if fault == "integer" else \
+        "holds tensor 'model.norm.weight' twice"
+    with pytest.raises(ModelLoadError, match=message):
+        model.load_weights(weights)
 
 
 def test_pickle_weights_are_refused(tmp_path):

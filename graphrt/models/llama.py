@@ -273,16 +273,23 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every parameter must be set.
 
-        Raises ModelLoadError naming any missing, unexpected or mis-shaped tensor.
+        Raises ModelLoadError naming any missing, unexpected, duplicated, mis-shaped or non-floating-point
+        tensor (integers or booleans would be converted to numbers no checkpoint meant).
         """
         params = dict(self.named_parameters())
         loaded: dict[str, set[int]] = {}
+        seen: set[str] = set()
         for name, tensor in weights:
             target, shard = self._target_of(name)
             if target is None:
                 continue
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
+            if name in seen:
+                raise ModelLoadError(f"checkpoint holds tensor {name!r} twice (in two weight files?)")
+            seen.add(name)
+            if not tensor.is_floating_point():
+                raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype}, not a floating-point weight")
             param = params[target]
             if shard is None:
                 dest = param.data
