@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -269,10 +270,11 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        # Any integer type (NumPy's scalars included, as SamplingParams takes them), not bool.
+        bad = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers, got {bad[0]!r}")
-        return None, list(prompt)
+        return None, [int(t) for t in prompt]
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -299,9 +301,11 @@ class LLMEngine:
             raise InvalidRequestError(f"stop token id {too_big[0]} is outside the vocabulary [0, {vocab})")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return tuple(self.model_config.eos_token_ids)
+        """Every id that ends generation: the tokenizer's end-of-sequence token and the model config's
+        (``config.json`` and ``generation_config.json``), which for instruct models add the end of a turn
+        (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``, Qwen2.5's ``<|endoftext|>``)."""
+        tokenizer_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        return tuple(dict.fromkeys((*tokenizer_ids, *self.model_config.eos_token_ids)))
 
     def _output_of(self, seq: Sequence) -> RequestOutput:
         text = None

@@ -247,3 +247,15 @@ def test_cli_bad_request_exits_nonzero_but_prints_the_good_ones(capsys):
 def test_cli_invalid_sampling_parameter(capsys):
     assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_numpy_token_ids_are_one_prompt(llm):
+    """Token ids as NumPy integers (a tokenizer's or a dataset's array) are one prompt, as Python ints are."""
+    import numpy as np
+
+    ids = np.array([5, 6, 7])
+    [from_numpy] = llm.generate(list(ids), GREEDY)
+    [from_ints] = llm.generate([5, 6, 7], GREEDY)
+    assert from_numpy.error is None and from_numpy.token_ids == from_ints.token_ids
+    [nested] = llm.generate([list(ids)], GREEDY)
+    assert nested.prompt_token_ids == [5, 6, 7] and type(nested.prompt_token_ids[0]) is int

@@ -357,3 +357,28 @@ def test_gguf_llama3_rule(tmp_path):
     # (ignore_merges), and BOS is added when the file does not say otherwise.
     tok = Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre="llama-bpe", bos=4))
     assert tok.encode("abc") == [4, 3]
+
+
+@pytest.mark.parametrize("source", ["config", "generation_config"])
+def test_generation_stops_on_every_eos_of_the_model_not_only_the_tokenizers(tmp_path, source):
+    """Instruct models list their end-of-turn ids in config.json's or generation_config.json's
+    eos_token_id (Llama 3's <|eot_id|>, Qwen2.5's <|endoftext|>) while tokenizer_config.json names one
+    eos_token; generation must stop on all of them, as HF's does."""
+    from random_checkpoints import write_random_checkpoint
+
+    from graphrt import LLM, SamplingParams
+
+    write_random_checkpoint("llama3-rope-scaling", tmp_path)
+    _tiny_backend().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    options = dict(dtype="float32", device="cpu", progress=False)
+    prompt, params = [[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=8)
+    free = LLM(str(tmp_path), **options).generate(prompt, params)[0].token_ids
+    assert len(free) == 8 and 1 not in free[:3]
+    if source == "config":
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, free[2]]}))
+    else:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, free[2]]}))
+    out = LLM(str(tmp_path), **options).generate(prompt, params)[0]
+    assert out.token_ids == free[:3] and out.finish_reason == "stop"

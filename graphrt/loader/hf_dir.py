@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,7 +72,27 @@ def read_hf_dir(path: str | Path) -> HFCheckpoint:
         config = ModelConfig.from_hf_dict(raw)
     except ConfigError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
+    extra_eos = _generation_eos_ids(path)
+    if extra_eos:
+        config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *extra_eos))))
     return HFCheckpoint(path, config, Tokenizer.from_hf_dir(path), _weight_files(path))
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of ``generation_config.json``, which HF's generation stops
+    on and which may add ids to ``config.json``'s (an instruct model's end of turn); () without the file."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def _weight_files(path: Path) -> list[Path]:
