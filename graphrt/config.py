@@ -127,15 +127,13 @@ class ModelConfig:
             raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r}; graphrt implements 'silu'")
         if _bool_field(config, "mlp_bias", False):
             raise ConfigError("MLP biases (mlp_bias: true) are not supported")
-        sliding_window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not _bool_field(config, "use_sliding_window", False):
-            sliding_window = None
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", (config.get("bos_token_id"),))):
-            if any(not _is_index(token) for token in ids if token is not None):
-                raise ConfigError(f"{name} must be a token id (an integer >= 0) or a list of them, got "
-                                  f"{config.get(name)!r}")
+        # Qwen2 configs carry a window that applies only with use_sliding_window.
+        windowed = arch != "Qwen2ForCausalLM" or _bool_field(config, "use_sliding_window", False)
+        sliding_window = (_int_field(config, "sliding_window", default=0) or None) if windowed else None
+        eos_ids = token_ids_field(config, "eos_token_id")
+        bos = config.get("bos_token_id")
+        if bos is not None and not _is_index(bos):
+            raise ConfigError(f"config.json: bos_token_id must be a token id (an integer >= 0), got {bos!r}")
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -151,8 +149,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=_bool_field(config, "tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or _bool_field(config, "attention_bias", False),
-            sliding_window=_int_field({"sliding_window": sliding_window}, "sliding_window") if sliding_window else None,
-            bos_token_id=config.get("bos_token_id"),
+            sliding_window=sliding_window,
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
         )
 
@@ -162,6 +160,16 @@ class ModelConfig:
 
 def _is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def token_ids_field(config: dict[str, Any], name: str, where: str = "config.json") -> tuple[int, ...]:
+    """``config[name]``, a token id or a list of them (HF's ``eos_token_id``), as a tuple; () when absent.
+    ConfigError naming the field when it holds anything else."""
+    value = config.get(name)
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(_is_index(token) for token in ids):
+        raise ConfigError(f"{where}: {name} must be a token id (an integer >= 0) or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def _int_field(config: dict[str, Any], name: str, default: int | None = None, where: str = "config.json") -> int:

@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, token_ids_field
 from ..errors import ConfigError, ModelLoadError
 from ..tokenizer import Tokenizer
 
@@ -65,11 +66,7 @@ def read_hf_dir(path: str | Path) -> HFCheckpoint:
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
     try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from None
-    try:
-        config = ModelConfig.from_hf_dict(raw)
+        config = ModelConfig.from_hf_dict(_read_json(config_file))
     except ConfigError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
     extra_eos = _generation_eos_ids(path)
@@ -84,15 +81,19 @@ def _generation_eos_ids(path: Path) -> tuple[int, ...]:
     file = path / "generation_config.json"
     if not file.is_file():
         return ()
+    raw = _read_json(file)
     try:
-        raw = json.loads(file.read_text())
+        return token_ids_field(raw, "eos_token_id", where=str(file)) if isinstance(raw, dict) else ()
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _read_json(file: Path) -> Any:
+    """The contents of a JSON file of the model directory; ModelLoadError naming it when it is not JSON."""
+    try:
+        return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ModelLoadError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
 
 
 def _weight_files(path: Path) -> list[Path]:
