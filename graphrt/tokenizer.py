@@ -1,8 +1,13 @@
 """Text <-> token ids and chat-template rendering, over a ``tokenizers.Tokenizer``.
 
 Two sources: an HF model directory (``tokenizer.json`` + ``tokenizer_config.json``) and the
-metadata of a GGUF file (vocabulary, merges and special ids under ``tokenizer.ggml.*``), which
-carries no ``tokenizer.json`` and so has its byte-level BPE rebuilt here.
+metadata of a GGUF file (vocabulary, merges or scores, and special ids under ``tokenizer.ggml.*``),
+which carries no ``tokenizer.json`` and so has its tokenizer rebuilt here: byte-level BPE
+(``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen2) or SentencePiece BPE (``"llama"``:
+Llama 2, Mistral, TinyLlama). The latter encodes as HF's sentencepiece-backed Llama tokenizer and
+llama.cpp do, and on text without added tokens as SentencePiece itself: a "▁" prefix on each stretch
+of text between added tokens, merges ranked by the pieces' scores, and characters outside the
+vocabulary as ``<0xNN>`` byte tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from .errors import GraphrtError, InvalidRequestError, ModelLoadError
@@ -26,8 +31,13 @@ if TYPE_CHECKING:
     import gguf
 
 # llama.cpp's token_type values (llama_token_type in llama.h).
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+
+#: What SentencePiece writes for a space, in its pieces and in the text it tokenizes.
+_SPACE_PIECE = "\u2581"
 
 # GPT-2's split with Llama 3's changes: case-insensitive contractions, a leading non-letter glued
 # to a word, digits in groups of at most three, newlines kept apart from other whitespace.
@@ -91,11 +101,111 @@ _GGUF_PRE_RULES: dict[str, _PreRule] = {
 }
 
 
+def _byte_level_bpe(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int]
+) -> tuple[BackendTokenizer, bool]:
+    """A ``gpt2`` vocabulary's backend, its added tokens not yet added, and whether its pre-tokenizer
+    type adds BOS when the file does not say."""
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRE_RULES:
+        raise ModelLoadError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; graphrt knows {', '.join(sorted(_GGUF_PRE_RULES))}"
+        )
+    rule = _GGUF_PRE_RULES[pre]
+    merges: list[str] = _array(reader, "tokenizer.ggml.merges", _STRINGS) or []
+    # A merge is "left right"; neither side can hold a space, which byte-level spells as "Ġ".
+    bpe = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=rule.ignore_merges,
+    )
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = rule.build()
+    backend.decoder = decoders.ByteLevel()
+    return backend, rule.add_bos
+
+
+def _sentencepiece_bpe(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int]
+) -> tuple[BackendTokenizer, bool]:
+    """A ``llama`` (SentencePiece BPE) vocabulary's backend, its added tokens not yet added, and
+    True: BOS is added when the file does not say, as llama.cpp and HF do.
+
+    Text takes SentencePiece's spelling first: "▁" for each space and, with ``add_space_prefix`` (on
+    unless the file says otherwise), one more in front of each stretch of text between added tokens,
+    even one that starts with a space. Each such stretch is one word for the BPE model, whose merges
+    are the file's or, usually, derived from the scores; a character outside the vocabulary becomes
+    the ``<0xNN>`` tokens of its UTF-8 bytes. Decoding reverses this and drops the prefix's space.
+    """
+    scores = _array(reader, "tokenizer.ggml.scores", _FLOAT32S, len(tokens))
+    if scores is None:
+        raise ModelLoadError(
+            "GGUF tokenizer model 'llama' (SentencePiece) needs tokenizer.ggml.scores, which the file lacks"
+        )
+    merges: list[str] | None = _array(reader, "tokenizer.ggml.merges", _STRINGS)
+    bpe = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in merges] if merges else _merges_by_score(tokens, token_types, scores),
+        unk_token=_special_token(reader, "tokenizer.ggml.unknown_token_id", tokens),
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = BackendTokenizer(bpe)
+    add_space_prefix = _flag(reader, "tokenizer.ggml.add_space_prefix", True)
+    prefix = [normalizers.Prepend(_SPACE_PIECE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", _SPACE_PIECE)])
+    strip_prefix = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip_prefix]
+    )
+    return backend, True
+
+
+def _merges_by_score(tokens: list[str], token_types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """(left, right) merges, best first, that make BPE encode as SentencePiece does from scores.
+
+    SentencePiece BPE keeps joining the adjacent pair whose join is the best-scored piece, so every
+    cut of a piece into two pieces is a merge ranked by that piece's score (ties: the piece listed
+    first). Only normal pieces (token_type 1) take part: control, unknown and user-defined tokens are
+    matched whole before the model runs, byte tokens are not spelled by the text they stand for, and
+    unused pieces are never output.
+    """
+    normal = {token: i for i, (token, kind) in enumerate(zip(tokens, token_types)) if kind == _NORMAL}
+    ranked = []
+    for piece, index in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[index], index, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+class _GGUFModel(NamedTuple):
+    """How a ``tokenizer.ggml.model`` type is rebuilt."""
+
+    #: (reader, tokens, token_types) -> (backend before added tokens, whether BOS is added by default).
+    build: Callable[[gguf.GGUFReader, list[str], list[int]], tuple[BackendTokenizer, bool]]
+    #: token_types that become special added tokens (skipped by ``decode(skip_special_tokens=True)``).
+    special_types: frozenset[int]
+
+
+#: ``tokenizer.ggml.model`` value -> how it is rebuilt.
+_GGUF_MODELS: dict[str, _GGUFModel] = {
+    "gpt2": _GGUFModel(_byte_level_bpe, frozenset({_CONTROL})),
+    # HF's Llama tokenizer makes <unk> special, so it is skipped in decoding and matched whole in text.
+    "llama": _GGUFModel(_sentencepiece_bpe, frozenset({_CONTROL, _UNKNOWN})),
+}
+
+
 class Tokenizer:
     """Encodes text to token ids (``list[int]``) and back, and renders chat templates.
 
-    ``encode`` never runs the backend's post-processor: the one special token a prompt gets, BOS,
-    is prepended here when ``add_bos_token`` says so, whatever the source.
+    ``encode`` never runs the backend's post-processor: the special tokens a prompt gets, BOS first
+    and (for the few GGUF files that ask) EOS last, are added here when ``add_bos_token`` and
+    ``add_eos_token`` say so, whatever the source.
     """
 
     def __init__(
@@ -106,6 +216,7 @@ class Tokenizer:
         eos_tokens: tuple[str, ...] = (),
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
     ) -> None:
         self._backend = backend
         self.bos_token = bos_token
@@ -115,6 +226,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.add_eos_token = add_eos_token and bool(self.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -155,73 +267,57 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Rebuild the byte-level BPE tokenizer a GGUF file describes in ``tokenizer.ggml.*``.
+        """Rebuild the tokenizer a GGUF file describes in ``tokenizer.ggml.*``: byte-level BPE
+        (``tokenizer.ggml.model`` ``"gpt2"``) or SentencePiece BPE (``"llama"``).
 
-        Control tokens (token_type 3, e.g. ``<|im_start|>``) become special added tokens and
-        user-defined ones (type 4) plain added tokens, so each is matched whole in text.
-        Raises ModelLoadError for a non-BPE vocabulary or an unknown pre-tokenizer.
+        Control tokens (token_type 3, e.g. ``<|im_start|>``, ``</s>``) become special added tokens
+        and user-defined ones (type 4) plain added tokens, so each is matched whole in text; in a
+        SentencePiece vocabulary the unknown token (type 2, ``<unk>``) is special too, as in HF.
+        Raises ModelLoadError for another tokenizer model, an unknown pre-tokenizer, or tokenizer
+        metadata that is missing, of the wrong type or length, or names an id outside the vocabulary.
         """
         model = _field(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in _GGUF_MODELS:
             raise ModelLoadError(
-                f"GGUF tokenizer model {model!r} is not supported; graphrt reads byte-level BPE ('gpt2') only"
+                f"GGUF tokenizer model {model!r} is not supported; graphrt reads byte-level BPE ('gpt2') "
+                "and SentencePiece ('llama')"
             )
-        pre = _field(reader, "tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_RULES:
-            raise ModelLoadError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; graphrt knows {', '.join(sorted(_GGUF_PRE_RULES))}"
-            )
-        rule = _GGUF_PRE_RULES[pre]
-        tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-        merges: list[str] = _field(reader, "tokenizer.ggml.merges", [])
-        token_types: list[int] = _field(reader, "tokenizer.ggml.token_type", [])
+        kind = _GGUF_MODELS[model]
+        tokens = _array(reader, "tokenizer.ggml.tokens", _STRINGS)
         if tokens is None:
             raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens")
-
-        # A merge is "left right"; neither side can hold a space, which byte-level spells as "Ġ".
-        bpe = models.BPE(
-            vocab={token: i for i, token in enumerate(tokens)},
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=rule.ignore_merges,
-        )
-        backend = BackendTokenizer(bpe)
-        backend.pre_tokenizer = rule.build()
-        backend.decoder = decoders.ByteLevel()
-        # normalized=False: these are matched in the raw text, before byte-level mapping.
-        backend.add_special_tokens(
-            [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, token_types) if k == _CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
-        )
-
-        def token_at(key: str) -> str | None:
-            index = _field(reader, key)
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+        token_types = _array(reader, "tokenizer.ggml.token_type", _INTEGERS, len(tokens)) or [_NORMAL] * len(tokens)
+        backend, add_bos_by_default = kind.build(reader, tokens, token_types)
+        # normalized=False: these are matched in the raw text, before any normalizer or byte mapping.
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, k in zip(tokens, token_types) if k in kind.special_types])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                            for t, k in zip(tokens, token_types) if k == _USER_DEFINED])
 
         # llama.cpp ends generation at EOS, and also at EOT/EOM where a file names them.
-        eos = tuple(t for t in map(token_at, ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                              "tokenizer.ggml.eom_token_id")) if t is not None)
+        eos = (_special_token(reader, f"tokenizer.ggml.{name}_token_id", tokens) for name in ("eos", "eot", "eom"))
         return cls(
             backend,
-            bos_token=token_at("tokenizer.ggml.bos_token_id"),
-            eos_tokens=eos,
+            bos_token=_special_token(reader, "tokenizer.ggml.bos_token_id", tokens),
+            eos_tokens=tuple(t for t in eos if t is not None),
             chat_template=_field(reader, "tokenizer.chat_template"),
-            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", rule.add_bos)),
+            add_bos_token=_flag(reader, "tokenizer.ggml.add_bos_token", add_bos_by_default),
+            add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token", False),
         )
 
     # ------------------------------------------------------------------ text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; BOS first only if ``add_special_tokens`` and ``add_bos_token``.
+        """Token ids of ``text``; BOS first only if ``add_special_tokens`` and ``add_bos_token``, EOS
+        last only if ``add_special_tokens`` and ``add_eos_token``.
 
         Special tokens written in the text (``<|im_start|>``) encode to their single id either way.
         """
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos_token:
+            ids.append(self.eos_token_ids[0])
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -316,3 +412,56 @@ def _token_text(value: Any) -> str | None:
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
+
+
+class _ItemType(NamedTuple):
+    """The GGUF value types an array's items may have."""
+
+    #: As an error message calls them.
+    description: str
+    #: ``gguf.GGUFValueType`` member names.
+    gguf_names: frozenset[str]
+
+
+_STRINGS = _ItemType("strings", frozenset({"STRING"}))
+_FLOAT32S = _ItemType("float32 numbers", frozenset({"FLOAT32"}))
+_INTEGERS = _ItemType("integers", frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}))
+
+
+def _array(reader: gguf.GGUFReader, key: str, items: _ItemType, length: int | None = None) -> list[Any] | None:
+    """The array stored under ``key`` as a list, or None when the file has no such key.
+
+    Raises ModelLoadError when the value is not an array of ``items`` or, given ``length`` (the
+    number of tokens), holds another number of entries.
+    """
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    types = [t.name for t in field.types]
+    if types[0] != "ARRAY" or types[-1] not in items.gguf_names:
+        raise ModelLoadError(f"{key} must be an array of {items.description}, not {' of '.join(types)}")
+    values = field.contents()
+    if length is not None and len(values) != length:
+        raise ModelLoadError(f"{key} holds {len(values)} entries for {length} tokens")
+    return values
+
+
+def _flag(reader: gguf.GGUFReader, key: str, default: bool) -> bool:
+    """The boolean stored under ``key``, ``default`` when absent; ModelLoadError for another type."""
+    value = _field(reader, key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{key} must be a boolean, not {value!r}")
+    return value
+
+
+def _special_token(reader: gguf.GGUFReader, key: str, tokens: list[str]) -> str | None:
+    """The token whose id is stored under ``key``, None when absent; ModelLoadError for an id
+    outside ``tokens``."""
+    index = _field(reader, key)
+    if index is None:
+        return None
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tokens):
+        raise ModelLoadError(f"{key} is {index!r}, not an id in the vocabulary of {len(tokens)} tokens")
+    return tokens[index]

@@ -340,7 +340,7 @@ def test_gguf_unknown_pre_tokenizer(tmp_path):
         Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre="made-up"))
 
 
-def test_gguf_non_bpe_tokenizer(tmp_path):
+def test_gguf_sentencepiece_tokenizer_without_scores_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
         Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", model="llama"))
 
