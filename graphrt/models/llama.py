@@ -264,9 +264,20 @@ class LlamaForCausalLM(nn.Module):
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, V] in the model dtype (``sample`` upcasts where it needs
-        to; a greedy argmax reads them as they are, saving a float32 pass over [N, V])."""
-        return nn.functional.linear(hidden, self.lm_head_weight)
+        """hidden: [N, hidden] in the model dtype -> logits [N, V] float32, whatever the model dtype.
+
+        The products accumulate in float32 and are never rounded to the model dtype: a 16-bit logit
+        of magnitude 25 is rounded to a multiple of 0.125, which turns a real margin of 0.08 between
+        two tokens into a tie (or flips it), and argmax, logprobs and sampling all read these values.
+        On CUDA one cuBLAS GEMM reads the 16-bit weights and writes float32 (``torch.mm`` with
+        ``out_dtype``); elsewhere the operands are upcast first (exact, one float32 copy of the head).
+        """
+        weight = self.lm_head_weight
+        if weight.dtype == torch.float32:
+            return nn.functional.linear(hidden, weight)
+        if hidden.is_cuda:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return nn.functional.linear(hidden.float(), weight.float())
 
     # -- weights -----------------------------------------------------------------------------------
 
