@@ -55,9 +55,13 @@ class DecodeBatch:
 
     @property
     def sampling_mode(self) -> str:
-        """The graph this batch replays: ``greedy`` (every row), ``temperature`` (some row samples, none
-        uses top-k or top-p) or ``sample`` (the general path, which filters top-k / top-p rows: with the fused kernels by a threshold
-        search, ``graphrt.kernels.top_k_top_p``, else by sorting the vocabulary)."""
+        """The graph this batch replays: ``logprobs`` when some row asks for logprobs (the general
+        sampling path, then each row's log probabilities), else ``greedy`` (every row), ``temperature``
+        (some row samples, none uses top-k or top-p) or ``sample`` (the general path, which filters
+        top-k / top-p rows: with the fused kernels by a threshold search, ``graphrt.kernels.top_k_top_p``,
+        else by sorting the vocabulary). Every mode gives a row the same token."""
+        if any(p.logprobs is not None for p in self.params):
+            return "logprobs"
         if self.all_greedy:
             return "greedy"
         return "sample" if any(p.filtered for p in self.params) else "temperature"

@@ -2,7 +2,8 @@
 every dynamic field lives in static tensors refreshed in place before each replay.
 
 A replay runs the whole decode step: embedding, every layer (attention reads the paged cache),
-logits and sampling. The only device-to-host copy per step is the sampled token ids.
+float32 logits, sampling and, in the graphs of steps where a row asks, log probabilities. The only
+device-to-host copies per step are the sampled token ids (and those log probabilities).
 
 Rules kept (DESIGN.md §4): static tensors allocated once at the largest bucket; nothing allocated,
 synced or shaped by host data inside capture; padding rows inert (slot -1, length 1, null block);
@@ -23,10 +24,13 @@ from tqdm.auto import tqdm
 from graphrt import nvtx
 from graphrt.attention import AttentionBackend, AttentionMetadata
 from graphrt.attention.metadata import pinned_to_device
+from graphrt.logprobs import token_logprobs
 from graphrt.sampler import SamplingTensors, sample
 
 from .buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
 from .decode_batch import DecodeBatch
+from .graph_check import GraphCheck, GraphCheckFailure, static_tensors
+from .pending import HostBuffers, PendingTokens
 from .static_sampling import StaticSampling
 from .stats import DecodeStats, EagerReason
 
@@ -35,8 +39,25 @@ logger = logging.getLogger(__name__)
 #: Graphs are captured per sampling mode (``DecodeBatch.sampling_mode``): "greedy" is a bare argmax;
 #: "temperature" samples without top-k / top-p (greedy rows mixed in), with fused kernels in two short
 #: passes over the logits; "sample" adds the general path for top-k / top-p rows, which with fused kernels finds each row's
-#: filter boundary by a threshold search (``graphrt.kernels.top_k_top_p``) and otherwise sorts the vocabulary.
-SAMPLING_MODES = ("greedy", "temperature", "sample")
+#: filter boundary by a threshold search (``graphrt.kernels.top_k_top_p``) and otherwise sorts the vocabulary;
+#: "logprobs" samples as "sample" does (which gives every row the token the other modes would) and adds
+#: each row's log probabilities (``graphrt.logprobs``), for steps where some row asks.
+SAMPLING_MODES = ("greedy", "temperature", "sample", "logprobs")
+
+#: Default of the most top tokens a row's logprobs may list (the width of the static logprob buffers).
+DEFAULT_MAX_LOGPROBS = 20
+
+#: Warm-up and capture run on one side stream per device, shared by every runner: a library's
+#: per-stream workspace (cuBLAS keeps one per stream for the process's lifetime) is then allocated
+#: once, not once per runner.
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(device)
+    return _capture_streams[index]
 
 
 def _sample_into_unfused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor) -> torch.Tensor:
@@ -50,8 +71,12 @@ class DecodeGraphRunner:
     and caches, calls ``capture()`` once, then ``decode(DecodeBatch)`` each step.
 
     model: a ``graphrt.models.llama.LlamaForCausalLM`` (``forward(ids, positions, kv_caches,
-    metadata)`` and ``compute_logits``); kv_caches: one tensor per layer in ``backend``'s layout;
-    max_seq_len: the captured maximum context (rows longer than it run eagerly).
+    metadata)`` and ``compute_logits``, float32 logits); kv_caches: one tensor per layer in ``backend``'s
+    layout; max_seq_len: the captured maximum context (rows longer than it run eagerly); max_logprobs: the
+    most top tokens a row's ``SamplingParams.logprobs`` may ask for (0: no logprob graphs, and batches
+    that ask are refused); check_graphs: N >= 1 turns on the runtime oracle (``graph_check``), which
+    checks every N-th replay against an eager run, 0 leaves it off. ``close()`` releases the graphs and
+    static buffers.
     """
 
     def __init__(
@@ -66,8 +91,14 @@ class DecodeGraphRunner:
         capture_sizes: list[int] | None = None,
         enforce_eager: bool = False,
         return_logits: bool = False,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        check_graphs: int = 0,
         device: torch.device | None = None,
     ) -> None:
+        if max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+        if check_graphs < 0:
+            raise ValueError(f"check_graphs must be >= 0 (0 = off), got {check_graphs}")
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -76,6 +107,11 @@ class DecodeGraphRunner:
         self.max_batch_size = self.capture_sizes[-1]
         self.stats = DecodeStats()
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.max_logprobs = max_logprobs
+        self.check_graphs = check_graphs
+        #: The runtime oracle, made when the graphs are captured with ``check_graphs`` on.
+        self.graph_check: GraphCheck | None = None
+        self.closed = False
         if enforce_eager:
             self.eager_reason: str | None = EagerReason.ENFORCE_EAGER
         elif self.device.type != "cuda":
@@ -99,15 +135,18 @@ class DecodeGraphRunner:
         #: Rows of ``input_ids`` holding the last launch's sampled tokens (0: that launch did not run
         #: through the static buffers, or none ran).
         self._carried_rows = 0
-        #: Pinned host buffers the sampled tokens are copied into, used in turn: two launches may be
-        #: in flight (the pipelined engine launches step n + 1 before it reads step n's tokens).
-        self._token_buffers = [torch.zeros(bs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                               for _ in range(2)]
-        self._token_holders: list[PendingTokens | None] = [None, None]
-        #: The event recorded after each buffer's copy (reused like the buffer: no event made per step).
-        self._token_events = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(2)]
-        self._next_token_buffer = 0
-        self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if return_logits else None
+        #: Top tokens the logprob graphs list per row (the request's own count is cut on the host).
+        self.num_top_logprobs = min(max_logprobs, config.vocab_size)
+        width = 1 + self.num_top_logprobs
+        #: [B, 1 + K] float32 and int64: a logprob step's packed results (``graphrt.logprobs.token_logprobs``).
+        self.logprob_values = torch.zeros(bs, width, dtype=torch.float32, device=self.device)
+        self.logprob_ids = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
+        #: Pinned host buffers the results are copied into, used in turn: two launches may be in flight
+        #: (the pipelined engine launches step n + 1 before it reads step n's tokens).
+        self._host_buffers = [HostBuffers(bs, width, self.device) for _ in range(2)]
+        self._next_host_buffers = 0
+        keep_logits = return_logits or check_graphs > 0  # the oracle compares the replay's logits
+        self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if keep_logits else None
         #: Token choice: the fused kernels' ``sample_fused`` when the model runs fused kernels, else
         #: ``graphrt.sampler.sample``; both (logits, sampling, out) -> out.
         self._sample_into = _sample_into_unfused
@@ -134,10 +173,11 @@ class DecodeGraphRunner:
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
         self.graph_state.refresh([], [], [], self.max_batch_size)  # every row inert while capturing
-        keys = [(size, mode) for size in reversed(self.capture_sizes) for mode in SAMPLING_MODES]
+        modes = self.captured_modes
+        keys = [(size, mode) for size in reversed(self.capture_sizes) for mode in modes]
         try:
             with torch.inference_mode():
-                side = torch.cuda.Stream(self.device)
+                side = _capture_stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 # Warm-up also proves the step never syncs with the host: a sync raises here,
                 # naming the operation, instead of invalidating the capture later. Every bucket runs
@@ -146,7 +186,7 @@ class DecodeGraphRunner:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.cuda.stream(side):
-                        for size, mode in keys[:len(SAMPLING_MODES)] + keys:  # the largest bucket twice
+                        for size, mode in keys[:len(modes)] + keys:  # the largest bucket twice
                             self._forward(size, mode)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
@@ -167,6 +207,8 @@ class DecodeGraphRunner:
             return self.stats
         self.stats.num_graphs = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start
+        if self.check_graphs:
+            self.graph_check = GraphCheck(self.check_graphs, self._static_inputs())
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         summary = (
             f"captured {self.stats.num_graphs} decode graphs (batch sizes {self.capture_sizes[0]}.."
@@ -180,6 +222,12 @@ class DecodeGraphRunner:
 
     # -- decode ------------------------------------------------------------------------------------
 
+    @property
+    def captured_modes(self) -> tuple[str, ...]:
+        """The sampling modes graphs are captured for: all of ``SAMPLING_MODES``, "logprobs" only when
+        rows may ask for logprobs (``max_logprobs`` > 0)."""
+        return SAMPLING_MODES if self.max_logprobs else tuple(m for m in SAMPLING_MODES if m != "logprobs")
+
     def decode(self, batch: DecodeBatch) -> list[int]:
         """Sample one token per row; returns them as host ints (the step's only device-to-host copy).
         ``launch(batch).result()``: waits for the step."""
@@ -189,7 +237,8 @@ class DecodeGraphRunner:
     def launch(self, batch: DecodeBatch, carry_input_ids: bool = False,
                carry_rows: Sequence[int] | None = None) -> PendingTokens:
         """Queue one decode step of ``batch`` (refresh, replay or eager forward, the copy of its tokens
-        to pinned host memory) without waiting for it; its tokens come from the returned ``result()``.
+        to pinned host memory) without waiting for it; its tokens come from the returned ``result()``,
+        the rows' log probabilities (rows whose params set ``logprobs``) from its ``logprobs()``.
 
         ``carry_input_ids``: every row's input is the token the same row sampled in the previous launch,
         which is still on the device (``batch.input_ids`` is ignored): the next step can be queued
@@ -199,11 +248,18 @@ class DecodeGraphRunner:
         a gather of the ids, on the device, before the replay. Needs the previous launch to have run
         through the static buffers with the rows named (the first ``len(batch)`` without ``carry_rows``),
         and ``batch`` to fit them (``fits_static_buffers``); ValueError otherwise, with nothing queued.
+        A row asking for more top logprobs than ``max_logprobs`` is a ValueError too.
 
         Two launches may await ``result()`` at once; a third first reads the tokens of the oldest (waits
         for it; its ``result()`` still returns them), whose pinned buffer it reuses. A launch's refresh
         waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
+        if self.closed:
+            raise RuntimeError("this decode graph runner is closed")
+        asked = [p.logprobs for p in batch.params if p.logprobs is not None]
+        if asked and (max(asked) > self.max_logprobs or not self.max_logprobs):
+            raise ValueError(f"a row asks for {max(asked)} top logprobs; this runner lists at most "
+                             f"{self.max_logprobs} (max_logprobs; 0 = no logprobs)")
         if carry_rows is not None:
             carry_rows = list(carry_rows)
             if len(carry_rows) != len(batch):
@@ -222,20 +278,22 @@ class DecodeGraphRunner:
             if not self.fits_static_buffers(batch):
                 raise ValueError("a batch that carries its input ids must fit the static buffers "
                                  f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
-        slot = self._next_token_buffer
-        holder = self._token_holders[slot]
-        if holder is not None:
-            holder.result()  # read before its buffer is reused (at once unless two launches are unread)
+        buffers = self._host_buffers[self._next_host_buffers]
+        if buffers.holder is not None:
+            buffers.holder.result()  # read before its buffers are reused (at once unless two launches are unread)
         if not len(batch):
-            return PendingTokens(self._token_buffers[slot][:0], None)
-        tokens = self._run(batch, carry_input_ids, carry_rows)
-        pending = PendingTokens.copy_to_host(tokens, self._token_buffers[slot], self._token_events[slot])
-        self._token_holders[slot] = pending
-        self._next_token_buffer = 1 - slot
+            return PendingTokens.empty()
+        tokens, logprobs = self._run(batch, carry_input_ids, carry_rows)
+        num_tops = [p.logprobs for p in batch.params] if logprobs is not None else ()
+        pending = PendingTokens.copy_to_host(tokens, buffers, logprobs, num_tops)
+        buffers.holder = pending
+        self._next_host_buffers = 1 - self._next_host_buffers
         return pending
 
-    def _run(self, batch: DecodeBatch, carry_input_ids: bool, carry_rows: list[int] | None) -> torch.Tensor:
-        """Queue the step's work; returns the [len(batch)] int64 device tensor its tokens land in."""
+    def _run(self, batch: DecodeBatch, carry_input_ids: bool,
+             carry_rows: list[int] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Queue the step's work; returns the [len(batch)] int64 device tensor its tokens land in and,
+        for a logprob step, the (values, ids) tensors its rows' logprobs land in."""
         reason = self._eager_reason_for(batch)
         if reason is not None:
             self.stats.eager_steps[reason] += 1
@@ -259,10 +317,12 @@ class DecodeGraphRunner:
         if not self.fits_static_buffers(batch):
             raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
         padded = choose_bucket(self.capture_sizes, len(batch))
-        return self._decode_static(batch, padded, replay=False, carry_input_ids=False).tolist()
+        tokens, _ = self._decode_static(batch, padded, replay=False, carry_input_ids=False)
+        return tokens.tolist()
 
     def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, carry_input_ids: bool,
-                       carry_rows: list[int] | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+                       carry_rows: list[int] | None = None, max_seq_len: int | None = None
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         with nvtx.decode_prepare():
             mode = self._refresh(batch, padded, carry_input_ids, carry_rows)
             if carry_rows is not None:
@@ -270,13 +330,53 @@ class DecodeGraphRunner:
                 # since the rows read and the rows written share input_ids.
                 gathered = self.input_ids.index_select(0, self.graph_state.carry_rows[: len(batch)])
                 self.input_ids[: len(batch)].copy_(gathered)
-        self._carried_rows = len(batch)
+        rows = len(batch)
+        self._carried_rows = rows
         if not replay:
             self._forward(padded, mode, max_seq_len)
+        elif self.graph_check is not None:
+            self._replay_checked(rows, padded, mode)
         else:
-            with nvtx.decode_replay(len(batch), padded):
+            with nvtx.decode_replay(rows, padded):
                 self.graphs[(padded, mode)].replay()
-        return self.next_tokens[: len(batch)]
+        logprobs = (self.logprob_values[:rows], self.logprob_ids[:rows]) if mode == "logprobs" else None
+        return self.next_tokens[:rows], logprobs
+
+    def _replay_checked(self, rows: int, padded: int, mode: str) -> None:
+        """The replay of bucket ``padded`` under the oracle (``graph_check``): the static inputs' addresses
+        checked first (moved ones: an eager step instead), and every N-th replay run eagerly too and
+        compared; a failure sends the bucket to eager from then on."""
+        check = self.graph_check
+        moved = check.moved_inputs(self._static_inputs())
+        if moved:
+            check.fail(GraphCheckFailure(padded, mode, check.replays + 1, "inputs_moved", moved=moved))
+            self._forward(padded, mode)
+            return
+        due = check.count_replay()
+        inputs = self.input_ids[:padded].clone() if due else None  # the replay overwrites them with its tokens
+        with nvtx.decode_replay(rows, padded):
+            self.graphs[(padded, mode)].replay()
+        if not due:
+            return
+        graph_tokens, graph_logits = self.next_tokens[:rows].clone(), self.logits[:rows].clone()
+        self.input_ids[:padded].copy_(inputs)
+        self._forward(padded, mode)  # the same step eagerly: same bucket, same captured bound
+        check.checks += 1
+        tokens_differ, max_diff, diverged = check.differences(graph_tokens, graph_logits, self.next_tokens[:rows],
+                                                             self.logits[:rows])
+        check.largest_logit_diff = max(check.largest_logit_diff, max_diff)
+        if diverged:  # the eager step's results stay in the buffers
+            check.fail(GraphCheckFailure(padded, mode, check.replays, "diverged", max_diff, tokens_differ))
+
+    def _static_inputs(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured graph reads or writes, by name: the oracle's address check."""
+        inputs = static_tensors({
+            "graph_state": self.graph_state, "sampling": self.sampling, "logits": self.logits,
+            "logprob_values": self.logprob_values, "logprob_ids": self.logprob_ids, "kv_caches": self.kv_caches,
+        })
+        inputs.update((f"model.{name}", tensor) for name, tensor in self.model.named_parameters())
+        inputs.update((f"model.{name}", tensor) for name, tensor in self.model.named_buffers())
+        return inputs
 
     def last_logits(self, batch_size: int) -> torch.Tensor:
         """[batch_size, V] float32 logits of the last launched decode (needs ``return_logits=True``); read
@@ -292,6 +392,8 @@ class DecodeGraphRunner:
             return EagerReason.BATCH_TOO_LARGE
         if max(batch.seq_lens, default=0) > self.max_seq_len:
             return EagerReason.CONTEXT_TOO_LONG
+        if self.graph_check is not None and choose_bucket(self.capture_sizes, len(batch)) in self.graph_check.failed_buckets:
+            return EagerReason.GRAPH_CHECK_FAILED
         return None
 
     def fits_static_buffers(self, batch: DecodeBatch) -> bool:
@@ -323,16 +425,17 @@ class DecodeGraphRunner:
         return mode
 
     def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
-        """The captured region: static inputs [:size] -> next_tokens[:size] (and logits).
+        """The captured region: static inputs [:size] -> next_tokens[:size] (and logits, logprobs).
 
         ``max_seq_len`` lowers the attention bound below the captured maximum (eager runs only)."""
         metadata = self.backend.graph_metadata(self.graph_state, size)
         if max_seq_len is not None:
             metadata.max_decode_seq_len = max_seq_len
+        logprobs = (self.logprob_values[:size], self.logprob_ids[:size]) if mode == "logprobs" else None
         self._run_model(self.input_ids[:size], self.positions[:size], metadata, self._sampling_view(size, mode),
-                        self.next_tokens[:size], None if self.logits is None else self.logits[:size])
+                        self.next_tokens[:size], None if self.logits is None else self.logits[:size], logprobs)
 
-    def _decode_unbuffered(self, batch: DecodeBatch) -> torch.Tensor:
+    def _decode_unbuffered(self, batch: DecodeBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Eager decode with per-step tensors, for batches the static buffers cannot hold."""
         metadata = AttentionMetadata.from_seqlens(
             query_lens=[1] * len(batch), seq_lens=batch.seq_lens, num_prefills=0,
@@ -343,62 +446,51 @@ class DecodeGraphRunner:
         positions = pinned_to_device(batch.positions, torch.int64, self.device)
         sampling = SamplingTensors.from_params(batch.params, batch.seeds, batch.steps, self.device)
         tokens = torch.empty(len(batch), dtype=torch.int64, device=self.device)
-        self._run_model(ids, positions, metadata, sampling, tokens, None)
-        return tokens
+        logprobs = None
+        if batch.sampling_mode == "logprobs":
+            width = 1 + self.num_top_logprobs
+            logprobs = (torch.empty(len(batch), width, dtype=torch.float32, device=self.device),
+                        torch.empty(len(batch), width, dtype=torch.int64, device=self.device))
+        self._run_model(ids, positions, metadata, sampling, tokens, None, logprobs)
+        return tokens, logprobs
 
-    def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out) -> None:
+    def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out, logprobs_out) -> None:
         hidden = self.model(ids, positions, self.kv_caches, metadata)  # [B, hidden]
-        logits = self.model.compute_logits(hidden)  # [B, V] in the model dtype
+        logits = self.model.compute_logits(hidden)  # [B, V] float32
         if logits_out is not None:
             logits_out.copy_(logits)
         self._sample_into(logits, sampling, out=tokens_out)
+        if logprobs_out is not None:
+            token_logprobs(logits, tokens_out, self.num_top_logprobs, *logprobs_out)
 
     def _sampling_view(self, size: int, mode: str) -> SamplingTensors:
         s = self.sampling
         return SamplingTensors(
             temperature=s.temperature[:size], top_k=s.top_k[:size], top_p=s.top_p[:size],
             seeds=s.seeds[:size], steps=s.steps[:size],
-            all_greedy=mode == "greedy", needs_top_k_top_p=mode == "sample",
+            all_greedy=mode == "greedy", needs_top_k_top_p=mode in ("sample", "logprobs"),
         )
 
+    # -- release -----------------------------------------------------------------------------------
 
-class PendingTokens:
-    """A launched decode step's sampled tokens on their way to pinned host memory.
-
-    ``result()`` waits for the copy (for the step, hence) and returns them as ints; ``ready()`` asks
-    without waiting. The runner reuses the host buffer two launches later, reading the tokens into the
-    object first."""
-
-    def __init__(self, host_tokens: torch.Tensor, copied: torch.cuda.Event | None) -> None:
-        self._host_tokens = host_tokens
-        self._copied = copied
-        self._tokens: list[int] | None = None
-
-    @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor, host_buffer: torch.Tensor,
-                     copied: torch.cuda.Event | None) -> PendingTokens:
-        """Queue the copy of device ``tokens`` [n] into the first n entries of the pinned ``host_buffer``
-        (into a new pinned buffer when n exceeds it: a batch larger than the static buffers), then record
-        ``copied`` after it (CUDA tokens; the event must not be awaited by an unread earlier launch)."""
-        count = tokens.shape[0]
-        if count <= host_buffer.shape[0]:
-            host = host_buffer[:count]
-        else:
-            host = torch.empty(count, dtype=host_buffer.dtype, pin_memory=host_buffer.is_pinned())
-        if not tokens.is_cuda:
-            host.copy_(tokens)
-            return cls(host, None)
-        host.copy_(tokens, non_blocking=True)
-        copied.record(torch.cuda.current_stream(tokens.device))
-        return cls(host, copied)
-
-    def ready(self) -> bool:
-        return self._tokens is not None or self._copied is None or self._copied.query()
-
-    def result(self) -> list[int]:
-        if self._tokens is None:
-            if self._copied is not None:
-                with nvtx.decode_wait():
-                    self._copied.synchronize()
-            self._tokens = self._host_tokens.tolist()
-        return self._tokens
+    def close(self) -> None:
+        """Release the graphs (and their memory pool), the static buffers and the host buffers, after
+        the launches in flight finish. The runner refuses launches from then on; closing twice is a
+        no-op. Its model and KV caches belong to the caller and are only let go."""
+        if self.closed:
+            return
+        for buffers in self._host_buffers:
+            if buffers.holder is not None:
+                buffers.holder.result()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.closed = True
+        self.graph_check = None
+        self.model = self.kv_caches = None
+        self.graph_state = self._static_sampling = self.sampling = None
+        self.input_ids = self.positions = self.next_tokens = None
+        self.logits = self.logprob_values = self.logprob_ids = None
+        self._host_buffers = []

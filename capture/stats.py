@@ -14,6 +14,8 @@ class EagerReason:
     CAPTURE_FAILED = "capture_failed"
     BATCH_TOO_LARGE = "batch_too_large"
     CONTEXT_TOO_LONG = "context_too_long"
+    #: The runtime oracle (``check_graphs``) found this bucket's replays wrong (``graph_check``).
+    GRAPH_CHECK_FAILED = "graph_check_failed"
 
 
 @dataclass

@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
+    gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
+                     help="with --json: each generated token's log probability, rank and the K most likely "
+                     "tokens' (0 = the token's alone)")
+    gen.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="K",
+                     help="with --json: the same for every prompt token after the first")
+    gen.add_argument("--check-graphs", type=non_negative_int, default=None, metavar="N",
+                     help="check every decode graph replay's input addresses and re-run every N-th replayed "
+                     "step eagerly to compare (a debugging aid; also GRAPHRT_CHECK_GRAPHS=N; 0 = off)")
     gen.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
     gen.add_argument("--nvtx-layers", action="store_true",
                      help="NVTX ranges per decoder layer too; implies --nvtx (also GRAPHRT_NVTX_LAYERS=1)")
@@ -178,26 +186,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
     from .llm import LLM
     from .sampling_params import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
         raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
+        raise GraphrtError("--logprobs and --prompt-logprobs are printed with --json; add --json")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, ignore_eos=args.ignore_eos,
+        seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(
+    asked = [k for k in (args.logprobs, args.prompt_logprobs) if k is not None]
+    with LLM(
         args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
-        async_decode=args.async_decode, **kernel_options(args),
-    )
-    prompts: list[str | list[int]] = []
-    for text in args.prompt:
-        prompts.append(llm.chat_prompt_ids(text) if args.chat else text)
-    prompts.extend(args.prompt_ids)
-    outputs = llm.generate(prompts, params)
+        async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
+        check_graphs=args.check_graphs, **kernel_options(args),
+    ) as llm:
+        prompts: list[str | list[int]] = []
+        for text in args.prompt:
+            prompts.append(llm.chat_prompt_ids(text) if args.chat else text)
+        prompts.extend(args.prompt_ids)
+        outputs = llm.generate(prompts, params)
     failed = 0
     for index, out in enumerate(outputs):
         if args.json:

@@ -309,6 +309,14 @@ class EngineConfig:
     nvtx: bool = False
     #: Also a range per decoder layer in eager forwards (also ``GRAPHRT_NVTX_LAYERS=1``); implies ``nvtx``.
     nvtx_layers: bool = False
+    #: The most top tokens a request's ``logprobs`` / ``prompt_logprobs`` may ask for: the width of the
+    #: decode graphs' logprob buffers. 0 captures no logprob graphs and refuses requests that ask.
+    max_logprobs: int = 20
+    #: The decode graphs' runtime oracle (``graphrt.capture.graph_check``): N >= 1 checks every replay's
+    #: static input addresses and re-runs every N-th replayed step eagerly to compare tokens and logits;
+    #: a bucket that fails decodes eagerly from then on. 0 = off; None = ``GRAPHRT_CHECK_GRAPHS`` (an
+    #: integer >= 0) or 0. Resolved to an int when the config is built.
+    check_graphs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -320,3 +328,30 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 2 (one is the null block), got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if not _is_count(self.max_logprobs):
+            raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.check_graphs is None:
+            self.check_graphs = _check_graphs_from_environment()
+        elif not _is_count(self.check_graphs):
+            raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
+
+
+#: The environment variable ``EngineConfig.check_graphs`` falls back to.
+ENV_CHECK_GRAPHS = "GRAPHRT_CHECK_GRAPHS"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_graphs_from_environment() -> int:
+    text = os.environ.get(ENV_CHECK_GRAPHS, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{ENV_CHECK_GRAPHS} must be an integer >= 0 (0 = off), got {text!r}")
+    return value

@@ -18,9 +18,10 @@ from graphrt.capture import DecodeGraphRunner, PendingTokens
 from . import nvtx
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, triton_interpreter_on
-from .errors import ConfigError, InvalidRequestError
+from .errors import ConfigError, GraphrtError, InvalidRequestError
 from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from .loader import load_weights_into, open_checkpoint
+from .logprobs import TokenLogprobs
 from .model_runner import ModelRunner, profile_prefill_peak_memory
 from .models.llama import LlamaForCausalLM
 from .outputs import RequestOutput
@@ -83,6 +84,8 @@ class LLMEngine:
             max_batch_size=config.max_num_seqs,
             capture_sizes=config.capture_sizes,
             enforce_eager=config.enforce_eager,
+            max_logprobs=config.max_logprobs,
+            check_graphs=config.check_graphs,
             device=self.device,
         )
         self.decode_runner.capture(progress=progress)
@@ -93,6 +96,7 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
+        self.closed = False
         logger.info(
             "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, %s kernels%s",
             self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size,
@@ -123,7 +127,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and enqueue a request; returns its id. Raises InvalidRequestError (nothing enqueued)."""
+        """Validate and enqueue a request; returns its id. Raises InvalidRequestError (nothing enqueued),
+        or GraphrtError once the engine is closed."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -151,7 +157,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished or a queued step's tokens are still unread (``step`` again)."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return not self.closed and (self.scheduler.has_unfinished() or self._in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that got a token (finished ones included).
@@ -160,6 +166,7 @@ class LLMEngine:
         call, which first queues the step after it (the sequences that carry on) unless a prompt is
         to be admitted or the blocks run out: a call may return no outputs while requests are
         unfinished."""
+        self._check_open()
         with nvtx.range("step"):
             if self._in_flight is not None:
                 return self._step_pipelined(self._in_flight)
@@ -177,12 +184,12 @@ class LLMEngine:
             return []
         seqs = scheduled.prefills + scheduled.decodes
         try:
-            token_ids = self.runner.execute(scheduled.prefills, scheduled.decodes)
+            token_ids, logprobs = self.runner.execute(scheduled.prefills, scheduled.decodes)
         except BaseException:
             # Decodes left as they were run this token again next step; prompts are prefilled again.
             self.scheduler.requeue_prefills(scheduled.prefills)
             raise
-        return self._record_tokens(seqs, token_ids)
+        return self._record_tokens(seqs, token_ids, logprobs)
 
     def _step_pipelined(self, in_flight: _InFlightDecode) -> list[RequestOutput]:
         """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens.
@@ -197,6 +204,7 @@ class LLMEngine:
             if following:
                 self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead_from=rows))
             token_ids = in_flight.tokens.result()
+            logprobs = in_flight.tokens.logprobs()
         except BaseException:
             self._in_flight = None
             if self.device.type == "cuda":
@@ -204,10 +212,11 @@ class LLMEngine:
             raise
         # A sequence that finished on the step before this one (a stop token, seen after this step was
         # queued) got a token it must not keep.
-        live = [(seq, token) for seq, token in zip(in_flight.seqs, token_ids) if not seq.is_finished]
-        for seq, _ in live:
-            seq.num_computed_tokens = seq.num_tokens
-        outputs = self._record_tokens([seq for seq, _ in live], [token for _, token in live])
+        live = [row for row, seq in enumerate(in_flight.seqs) if not seq.is_finished]
+        for row in live:
+            in_flight.seqs[row].num_computed_tokens = in_flight.seqs[row].num_tokens
+        outputs = self._record_tokens([in_flight.seqs[row] for row in live], [token_ids[row] for row in live],
+                                      [logprobs[row] for row in live])
         if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight.seqs):
             # Every row of the queued step just finished: nothing will read it, so wait here rather
             # than leave a step in flight with no request behind it.
@@ -238,13 +247,44 @@ class LLMEngine:
             self.block_manager.grow(seq_id, num_tokens)
         return following, rows
 
-    def _record_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
-        """Append each sequence's new token, release the finished ones; returns their outputs."""
-        for seq, token_id in zip(seqs, token_ids):
-            seq.append_token(token_id, self.max_model_len)
+    def _record_tokens(self, seqs: list[Sequence], token_ids: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
+        """Append each sequence's new token (and its logprobs), release the finished ones; returns their
+        outputs."""
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
+            seq.append_token(token_id, self.max_model_len, token_logprobs)
         for seq in self.scheduler.finish_step(seqs):
             del self._requests[seq.request_id]
         return [self._output_of(seq) for seq in seqs]
+
+    def close(self) -> None:
+        """Release what the engine holds on its device: the decode graphs and their memory pool, the
+        static buffers, the KV cache and the model's weights (replaced by meta tensors, so they are
+        freed even where a caller still holds the model), then return the allocator's cached memory to
+        the device. A step in flight is finished first; requests still unfinished are dropped, with a
+        warning that counts them. The engine refuses requests and steps from then on; closing twice is
+        a no-op. Garbage collection of an unreferenced engine frees the same memory."""
+        if self.closed:
+            return
+        try:
+            if self._in_flight is not None:
+                self._in_flight.tokens.result()
+        finally:
+            self._in_flight = None
+            if self._requests:
+                logger.warning("closing the engine with %d unfinished request(s); they are dropped",
+                               len(self._requests))
+            self._requests.clear()
+            self.closed = True
+            self.decode_runner.close()
+            self.runner.kv_caches.clear()  # the list the model runner and the graph runner share
+            self.model.to_empty(device="meta")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GraphrtError("this engine is closed")
 
     def error_output(self, prompt: str | list[int], error: Exception, request_id: str) -> RequestOutput:
         """The output of a request rejected by ``add_request``."""
@@ -299,6 +339,13 @@ class LLMEngine:
         too_big = [t for t in params.stop_token_ids if t >= vocab]
         if too_big:
             raise InvalidRequestError(f"stop token id {too_big[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and (asked > limit or limit == 0):
+                why = "logprobs are off" if limit == 0 else "it asks for more top tokens than this engine lists"
+                raise InvalidRequestError(f"{name}={asked} is refused: {why} (max_logprobs={limit}); build the "
+                                          "engine with a larger max_logprobs")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends generation: the tokenizer's end-of-sequence token and the model config's
@@ -319,6 +366,8 @@ class LLMEngine:
             text=text,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_preemptions=seq.num_preemptions,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def _resolve_max_model_len(self) -> int:
@@ -346,7 +395,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         peak = profile_prefill_peak_memory(
             self.model, self.attention_backend, self.config.block_size, self.device,
-            self.max_num_batched_tokens, min(self.max_model_len, _PROFILE_SEQ_LEN),
+            self.max_num_batched_tokens, min(self.max_model_len, _PROFILE_SEQ_LEN), self.config.max_logprobs,
         )
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -25,6 +25,9 @@ class LLM:
 
     ``model``: an HF directory, a ``.gguf`` file, ``random:PRESET``, or None for the default
     SmolLM2-135M-Instruct GGUF. Other keyword arguments are ``EngineConfig`` fields.
+
+    ``close()`` frees the weights, the KV cache and the decode graphs' memory at once (``with LLM(...)
+    as llm:`` closes on leaving the block); an ``LLM`` nobody references is freed by garbage collection.
     """
 
     def __init__(
@@ -50,6 +53,16 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Free the model's device memory now (``LLMEngine.close``); the ``LLM`` is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -58,6 +71,8 @@ class LLM:
         """Generate for every prompt (a string, a list of token ids, or a list of either); returns one
         finished output per prompt, in order. An invalid request gets ``finish_reason="error"`` and an
         ``error`` message while the others still run."""
+        if self.engine.closed:
+            raise GraphrtError("this LLM is closed")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         results: list[RequestOutput | None] = [None] * len(prompts)

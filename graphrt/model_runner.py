@@ -16,6 +16,7 @@ from graphrt.capture import DecodeBatch, DecodeGraphRunner, PendingTokens
 
 from . import nvtx
 from .block_manager import BlockManager
+from .logprobs import PROMPT_ROWS_PER_CHUNK, TokenLogprobs, prompt_logprobs, rows_logprobs, token_logprobs
 from .models.llama import LlamaForCausalLM
 from .sampler import SamplingTensors, sample
 from .sequence import Sequence
@@ -50,15 +51,20 @@ class ModelRunner:
 
             self._sample = sample_fused
 
-    def execute(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[int]:
-        """Run one step; returns the sampled token id of each sequence, prefills first then decodes."""
-        tokens = self._prefill(prefills) if prefills else []
+    def execute(self, prefills: list[Sequence], decodes: list[Sequence]
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Run one step; returns the sampled token id of each sequence, prefills first then decodes, and
+        each one's logprobs (None where the request did not ask). Scores the prompts of prefills that
+        asked for prompt logprobs (``Sequence.prompt_logprobs``)."""
+        tokens, logprobs = self._prefill(prefills) if prefills else ([], [])
         if decodes:
             with nvtx.decode(len(decodes)):
-                tokens += self.decode_runner.decode(self._decode_batch(decodes))
+                pending = self.decode_runner.launch(self._decode_batch(decodes))
+                tokens += pending.result()
+            logprobs += pending.logprobs()
             for seq in decodes:
                 seq.num_computed_tokens = seq.num_tokens
-        return tokens
+        return tokens, logprobs
 
     def launch_decode(self, decodes: list[Sequence], ahead_from: list[int] | None = None) -> PendingTokens:
         """Queue the decode of ``decodes`` without waiting for it (``DecodeGraphRunner.launch``).
@@ -95,8 +101,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _prefill(self, seqs: list[Sequence]) -> list[int]:
-        """One eager forward over every sequence's uncomputed tokens, then one sampled token each."""
+    def _prefill(self, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One eager forward over every sequence's uncomputed tokens, then one sampled token each (and
+        its logprobs where asked); prompts that ask are scored too."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -120,7 +127,8 @@ class ModelRunner:
             ids = pinned_to_device(input_ids, torch.int64, self.device)
             hidden = self.model(ids, pinned_to_device(positions, torch.int64, self.device), self.kv_caches, metadata)
             last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
-            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V]
+            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
+            scored_prompts = self._score_prompts(seqs, hidden, query_lens)
         with nvtx.range("sample"):
             sampling = SamplingTensors.from_params(
                 [seq.params for seq in seqs],
@@ -128,10 +136,30 @@ class ModelRunner:
                 steps=[len(seq.output_token_ids) for seq in seqs],
                 device=self.device,
             )
-            token_ids = self._sample(logits, sampling).tolist()  # the step's one device-to-host copy
-        for seq in seqs:
+            sampled = self._sample(logits, sampling)
+            logprobs = rows_logprobs(logits, sampled, [seq.params.logprobs for seq in seqs])
+            token_ids = sampled.tolist()  # the step's device-to-host copy (with logprobs, they came first)
+        for seq, scored in zip(seqs, scored_prompts):
             seq.num_computed_tokens = seq.num_tokens
-        return token_ids
+            if scored is not None:
+                seq.prompt_logprobs = scored
+        return token_ids, logprobs
+
+    def _score_prompts(self, seqs: list[Sequence], hidden: torch.Tensor,
+                       query_lens: list[int]) -> list[list[TokenLogprobs | None] | None]:
+        """Prompt logprobs of each sequence that asks and has none yet (its first prefill, which covers
+        the whole prompt), from the forward's hidden states [T, hidden]; None for the others."""
+        scored: list[list[TokenLogprobs | None] | None] = []
+        start = 0
+        for seq, length in zip(seqs, query_lens):
+            if seq.needs_prompt_logprobs and seq.num_computed_tokens == 0:
+                prompt = seq.prompt_token_ids
+                scored.append(prompt_logprobs(self.model.compute_logits, hidden[start:start + len(prompt)], prompt,
+                                              seq.params.prompt_logprobs))
+            else:
+                scored.append(None)
+            start += length
+        return scored
 
 
 @torch.inference_mode()
@@ -142,9 +170,11 @@ def profile_prefill_peak_memory(
     device: torch.device,
     num_tokens: int,
     max_seq_len: int,
+    max_logprobs: int = 0,
 ) -> int:
     """Peak CUDA bytes of a prefill of ``num_tokens`` tokens (in sequences of at most ``max_seq_len``)
-    with no KV cache; sizes the cache on GPU."""
+    with no KV cache, its prompt scored for ``max_logprobs`` top logprobs too when that is > 0 (the most a
+    prefill allocates); sizes the cache on GPU."""
     seq_lens = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
     metadata = backend.make_metadata(
         query_lens=seq_lens,
@@ -160,5 +190,9 @@ def profile_prefill_peak_memory(
     torch.cuda.reset_peak_memory_stats(device)
     hidden = model(input_ids, positions, [None] * len(model.layers), metadata)
     model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+    if max_logprobs:
+        scored = min(num_tokens, PROMPT_ROWS_PER_CHUNK)  # prompt logprobs score this many rows at a time
+        token_logprobs(model.compute_logits(hidden[:scored]), input_ids[:scored],
+                       min(max_logprobs, model.config.vocab_size))
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .logprobs import TokenLogprobs
+
 
 @dataclass
 class RequestOutput:
@@ -13,6 +15,10 @@ class RequestOutput:
     decoding without special tokens (None for models without a tokenizer). ``finish_reason`` is None
     while the request runs, then ``"stop"``, ``"length"`` or ``"error"`` (with ``error`` saying why;
     such a request was never run).
+
+    ``logprobs`` (requests with ``SamplingParams.logprobs``): one ``TokenLogprobs`` per entry of
+    ``token_ids``; ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one per prompt token,
+    None for the first. Both None when not asked for.
     """
 
     request_id: str
@@ -23,6 +29,8 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

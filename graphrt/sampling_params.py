@@ -51,6 +51,12 @@ class SamplingParams:
             the stop token is part of the output.
         ignore_eos: keep generating past the model's end-of-sequence token(s) until
             ``max_tokens`` or a stop token.
+        logprobs: None (off), or k >= 0: each generated token comes with its float32 log
+            probability under the model (``log_softmax`` of the raw logits, before temperature
+            and filters), its rank, and the k most likely tokens with theirs (``graphrt.logprobs``).
+            The engine caps k (``EngineConfig.max_logprobs``).
+        prompt_logprobs: None (off), or k >= 0: the same for every prompt token after the first,
+            scored by the prompt before it (what evaluation harnesses read for log-likelihoods).
 
     Raises:
         InvalidRequestError: naming the field and the bad value, if any field is invalid.
@@ -63,6 +69,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -99,6 +107,13 @@ class SamplingParams:
 
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "must be True or False")
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_int(value) or value < 0:
+                    raise _bad(name, value, "must be None or an integer >= 0 (how many top tokens to list)")
+                setattr(self, name, int(value))
 
     @property
     def greedy(self) -> bool:

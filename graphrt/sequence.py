@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprobs
 from .sampling_params import SamplingParams
 
 
@@ -38,6 +39,11 @@ class Sequence:
     #: Tokens whose K/V are in the cache; reset to 0 on preemption (the cache is recomputed).
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    #: With ``params.logprobs``: one entry per output token, in order (kept across preemption).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: With ``params.prompt_logprobs``: one entry per prompt token (None for the first), set by the
+    #: first prefill; a recompute after preemption leaves it as it is.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,9 +68,17 @@ class Sequence:
         return (len(self.output_token_ids) + pending >= self.params.max_tokens
                 or self.num_tokens + pending >= max_model_len)
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
-        """Record a sampled token; finish the sequence when a stop condition holds."""
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the next prefill must score the prompt (asked for, and not scored yet)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def append_token(self, token_id: int, max_model_len: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Record a sampled token (with its logprobs when the request asked); finish the sequence when a
+        stop condition holds."""
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         stop_ids = self.params.stop_token_ids
         if token_id in stop_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP

