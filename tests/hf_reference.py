@@ -9,20 +9,28 @@ TIE_TOLERANCE = 1e-4
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy_with_logits(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """HF's greedy continuation of one prompt, EOS included like any other token (argmax each step,
-    through HF's own KV cache; ``generate`` is avoided because its EOS handling would differ)."""
+    through HF's own KV cache; ``generate`` is avoided because its EOS handling would differ), and the
+    logits each token was chosen from: [max_new_tokens, V] float32."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
     past = None
     generated: list[int] = []
+    logits: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
         out = model(ids, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        next_id = int(out.logits[0, -1].float().argmax())
+        logits.append(out.logits[0, -1].float())
+        next_id = int(logits[-1].argmax())
         generated.append(next_id)
         ids = torch.tensor([[next_id]], device=device)
-    return generated
+    return generated, torch.stack(logits)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's greedy continuation of one prompt (see ``hf_greedy_with_logits``)."""
+    return hf_greedy_with_logits(model, prompt, max_new_tokens)[0]
 
 
 @torch.inference_mode()

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 VOCAB = 512
+#: Norm weights are drawn as 1 + N(0, NORM_WEIGHT_STD): far enough from 1 that every norm differs from
+#: every other, close enough that activations keep their scale.
+NORM_WEIGHT_STD = 0.15
 
 
 def _common(**extra) -> dict:
@@ -49,6 +52,12 @@ def write_random_checkpoint(name: str, path: Path, seed: int = 1234):
         for param_name, param in model.named_parameters():
             if "norm" not in param_name:
                 param.normal_(0.0, 0.08)
+        # RMSNorm weights around 1, each its own (HF's init leaves them all at 1.0): with unit weights a
+        # model that applies one norm's weight in another's place (input_layernorm for
+        # post_attention_layernorm, say) computes exactly the same thing and passes every parity test.
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.copy_(1.0 + NORM_WEIGHT_STD * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
     return model
 

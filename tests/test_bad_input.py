@@ -56,12 +56,23 @@ def test_malformed_prompts_do_not_stop_the_batch(llm):
 
 
 def test_generate_leaves_other_requests_alone(llm):
-    """A request added through the engine directly may share generate's steps without breaking it."""
-    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="0")
-    [out] = llm.generate([[4, 5]], GREEDY)
+    """A request added through the engine directly may share generate's steps without breaking it: it
+    goes on after generate returns and finishes with the tokens it gets alone, and so does generate's."""
+    other = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=5)
+    mine = SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True, seed=6)
+    [other_alone] = llm.generate([[1, 2, 3]], other)
+    [mine_alone] = llm.generate([[4, 5]], mine)
+    llm.engine.add_request([1, 2, 3], other, request_id="0")
+    [out] = llm.generate([[4, 5]], mine)
     assert out.finish_reason == "length" and out.request_id != "0"
+    assert out.token_ids == mine_alone.token_ids
+    assert llm.engine.has_unfinished_requests(), "generate ran request 0 to its end and kept its output"
+    finished = {}
     while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+        finished.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+    assert list(finished) == ["0"]
+    assert finished["0"].finish_reason == "length"
+    assert finished["0"].token_ids == other_alone.token_ids
 
 
 def test_request_larger_than_the_cache_is_rejected():

@@ -35,6 +35,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16]
+#: The CPU cases take float16 too (the interpreter runs it; the model dtype of fp16 checkpoints).
+CPU_DTYPES = DTYPES + [torch.float16]
 
 
 def _tolerance(dtype):
@@ -69,7 +71,7 @@ def check_rms_norm(num_tokens, hidden, dtype, with_residual, seed=0):
     torch.testing.assert_close(got_out, want_out, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (3, 80), (5, 576)])
 def test_rms_norm_matches_torch(num_tokens, hidden, dtype, with_residual):
@@ -103,7 +105,7 @@ def check_silu_and_mul(num_tokens, intermediate, dtype, seed=0):
     torch.testing.assert_close(got, silu_and_mul_torch(gate_up), **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,intermediate", [(1, 64), (3, 1536), (2, 1100)])
 def test_silu_and_mul_matches_torch(num_tokens, intermediate, dtype):
     check_silu_and_mul(num_tokens, intermediate, dtype)
@@ -165,8 +167,8 @@ def check_rope_cache_write(num_tokens, num_heads, num_kv_heads, head_size, dtype
         torch.testing.assert_close(cache.float(), want_cache.float(), equal_nan=True, **exact)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
 def test_rope_cache_write_head_sizes(head_size, dtype):
     check_rope_cache_write(5, 4, 2, head_size, dtype)
 
@@ -265,7 +267,7 @@ def check_argmax(batch, vocab, dtype, seed=0):
     assert got.tolist() == torch.argmax(logits.float(), dim=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("batch,vocab", [(1, 37), (3, 512), (2, 9001)])
 def test_argmax_matches_torch(batch, vocab, dtype):
     check_argmax(batch, vocab, dtype)

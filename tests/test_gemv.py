@@ -108,6 +108,12 @@ def test_linear_gemv_matches_reference(variant, rows, out_features, in_features,
     check(variant, rows, out_features, in_features, dtype, seed=rows + in_features)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 48, 80), (3, 40, 96)])
+def test_linear_gemv_matches_reference_in_float16(variant, rows, out_features, in_features):
+    check(variant, rows, out_features, in_features, torch.float16)
+
+
 @pytest.mark.parametrize("config", [gemv.TileConfig(8, 32, 4), gemv.TileConfig(4, 64, 8)], ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 20, 100), (2, 40, 96)])

@@ -4,10 +4,13 @@ engine's outputs with graphs equal its outputs with ``enforce_eager`` as request
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.attention.graph_state import PAD_SLOT
 from graphrt.capture import SAMPLING_MODES, DecodeBatch, DecodeGraphRunner
 
 pytestmark = [
@@ -89,26 +92,57 @@ def test_every_bucket_replays_exactly_like_eager(setup, sampled):
             _free(llm, batch)
 
 
+def _first_rows(batch: DecodeBatch, count: int) -> DecodeBatch:
+    """The decode of ``batch``'s first ``count`` rows alone."""
+    return DecodeBatch(**{f.name: getattr(batch, f.name)[:count] if isinstance(getattr(batch, f.name), list)
+                          else getattr(batch, f.name) for f in dataclasses.fields(batch)})
+
+
 def test_garbage_in_padding_rows_changes_nothing_real(setup):
+    """Rows past the real batch may hold anything: what a larger batch left in the static buffers (its
+    slots, lengths and block tables over live sequences' blocks) before the refresh, and after it any
+    token, position, sampling row, length and block table. The replay's real tokens, logits and cache
+    blocks are those of a runner whose padding rows were never used."""
     llm, runner = setup
+    engine = llm.engine
+    caches = engine.runner.kv_caches
     generator = torch.Generator().manual_seed(4)
-    batch = _random_rows(llm, 5, generator, sampled=True)  # bucket 8: three padding rows
-    kv_before = [kv.clone() for kv in llm.engine.runner.kv_caches]
-    clean_tokens = runner.decode(batch)
-    clean_logits = runner.last_logits(5).clone()
-    kv_clean = [kv.clone() for kv in llm.engine.runner.kv_caches]
-    for kv, original in zip(llm.engine.runner.kv_caches, kv_before):
+    larger = _random_rows(llm, 8, generator, sampled=True)  # 8 live sequences
+    batch = _first_rows(larger, 5)  # bucket 8: three padding rows
+    kv_before = [kv.clone() for kv in caches]
+    # Same buckets and captured context, hence the same kernels and launches; its padding rows were never used.
+    fresh = DecodeGraphRunner(engine.model, caches, engine.attention_backend, block_size=16, max_seq_len=256,
+                              max_batch_size=MAX_SEQS, return_logits=True, enforce_eager=True, device=engine.device)
+    clean_tokens = fresh.eager_decode(batch)
+    clean_logits = fresh.last_logits(5).clone()
+    kv_clean = [kv.clone() for kv in caches]
+    for kv, original in zip(caches, kv_before):
+        kv.copy_(original)
+    runner.decode(larger)  # a replay of bucket 8 over 8 live rows: the static buffers hold their rows
+    for kv, original in zip(caches, kv_before):
         kv.copy_(original)
     runner._refresh(batch, 8)
+    state = runner.graph_state
+    assert state.slot_mapping[5:8].tolist() == [PAD_SLOT] * 3, "a larger batch's slot was left in a padding row"
     runner.input_ids[5:8] = torch.randint(0, 512, (3,), device="cuda")
     runner.positions[5:8] = torch.randint(0, 250, (3,), device="cuda")
     runner.sampling.temperature[5:8] = 5.0
+    runner.sampling.top_k[5:8] = 3
+    runner.sampling.top_p[5:8] = 0.5
+    runner.sampling.seeds[5:8] = torch.randint(0, 2**62, (3,), device="cuda")
+    # Padding rows may read whatever their lengths and tables say (here the larger batch's rows, over live
+    # blocks); their slots stay the refresh's, so what they write goes to the null block.
+    state.seq_lens[5:8] = torch.tensor(larger.seq_lens[5:8], dtype=state.seq_lens.dtype)
+    state.seq_start_loc[1:9] = torch.cumsum(state.seq_lens[:8], 0)
+    for row, table in enumerate(larger.block_tables[5:8], start=5):
+        state.block_tables[row, : len(table)] = torch.tensor(table, dtype=state.block_tables.dtype)
     runner.graphs[(8, "sample")].replay()
     assert runner.next_tokens[:5].tolist() == clean_tokens
     assert torch.equal(runner.last_logits(5), clean_logits)
-    for kv, expected in zip(llm.engine.runner.kv_caches, kv_clean):
-        assert torch.equal(kv[:, 1:], expected[:, 1:])  # every block but the null block
-    _free(llm, batch)
+    for layer, (kv, expected) in enumerate(zip(caches, kv_clean)):  # every block but the null block
+        changed = ((kv[:, 1:] != expected[:, 1:]).flatten(2).any(-1).any(0).nonzero().flatten() + 1).tolist()
+        assert not changed, f"layer {layer}: blocks {changed} changed"
+    _free(llm, larger)
 
 
 def test_engine_with_graphs_equals_enforce_eager_as_requests_come_and_go():

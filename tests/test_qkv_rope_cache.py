@@ -104,6 +104,11 @@ def test_head_sizes(head_size, dtype):
     check(2, 2, 1, head_size, 64, dtype, seed=head_size)
 
 
+def test_head_size_112_in_float16():
+    """The one supported head size and the one model dtype the grid above leaves to the GPU."""
+    check(2, 2, 1, 112, 64, torch.float16, seed=112)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (3, 3), (6, 2), (9, 3)])
 def test_gqa_ratios(num_heads, num_kv_heads):
     check(1, num_heads, num_kv_heads, 64, 80, torch.bfloat16, seed=num_heads)

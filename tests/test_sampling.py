@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from graphrt.errors import InvalidRequestError
 from graphrt.sampler import (
     SamplingTensors,
+    _row_keys,
     exponential_noise,
     hash32,
     sample,
     uniform_noise,
 )
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -58,6 +59,19 @@ def _lowbias32_reference(x: int) -> int:
     x = (x * 0x7FEB352D) & m
     x ^= x >> 15
     x = (x * 0x846CA68B) & m
+    x ^= x >> 16
+    return x
+
+
+def _lowbias32_inverse(x: int) -> int:
+    """The input that ``_lowbias32_reference`` maps to ``x``: each round undone, last first (an
+    xorshift by 16 is its own inverse on 32 bits, one by 15 is undone by 15 then 30; each odd
+    multiplier by its inverse mod 2**32)."""
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * pow(0x846CA68B, -1, 2**32)) & m
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * pow(0x7FEB352D, -1, 2**32)) & m
     x ^= x >> 16
     return x
 
@@ -283,22 +297,55 @@ def test_same_request_same_tokens_in_any_batch(target):
             assert out[position].item() == alone, (size, position, step)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: Temperatures around the greedy threshold: just below it (greedy), at it and just above (sampled, with
+#: logits / T near 1e5: every weight but the row maximum's underflows).
+_NEAR_GREEDY = [math.nextafter(GREEDY_TEMPERATURE, 0.0), GREEDY_TEMPERATURE, math.nextafter(GREEDY_TEMPERATURE, 1.0),
+                1.5 * GREEDY_TEMPERATURE]
+
+
+def _property_row(kind: str, vocab: int, seed: int) -> torch.Tensor:
+    """One row of logits: ``plain`` N(0, 9); ``masked`` a third of it -inf (masked tokens); ``ties`` on a
+    grid of 0.5, so values repeat (top-k and top-p boundaries inside runs of equal values); ``tied_max``
+    three tokens sharing the maximum; ``one_finite`` every token but one -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=gen) * 3
+    if kind == "masked":
+        row[torch.randperm(vocab, generator=gen)[: vocab // 3]] = float("-inf")
+    elif kind == "ties":
+        row = (row * 2).round() / 2
+    elif kind == "tied_max":
+        row[torch.randperm(vocab, generator=gen)[:3]] = row.max() + 1.0
+    elif kind == "one_finite":
+        keep = int(torch.randint(vocab, (1,), generator=gen))
+        row = torch.full((vocab,), float("-inf")).index_fill(0, torch.tensor([keep]), float(row[keep]))
+    return row
+
+
+_ROW_KINDS = ["plain", "masked", "ties", "tied_max", "one_finite"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    temperature=st.one_of(st.sampled_from([0.0, 0.5, 1.0, 1.7] + _NEAR_GREEDY),
+                          st.floats(GREEDY_TEMPERATURE, 4 * GREEDY_TEMPERATURE)),
     top_k=st.sampled_from([0, 1, 3, 50]),
     top_p=st.sampled_from([1.0, 0.95, 0.5, 0.01]),
     seed=st.integers(0, 2**63 - 1),
     step=st.integers(0, 2**40),
     size=st.integers(1, 6),
+    kind=st.sampled_from(_ROW_KINDS),
     data=st.data(),
 )
-def test_batch_independence_property(temperature, top_k, top_p, seed, step, size, data):
+def test_batch_independence_property(temperature, top_k, top_p, seed, step, size, kind, data):
+    """A row draws the same token alone and in any batch (rows of any kind beside it), and that token is
+    one the row allows: a finite logit, within the top-k values, the argmax with the lowest id among
+    ties for greedy rows and top-k 1, a maximal logit (up to what the noise can lift) at temperatures
+    near the greedy threshold."""
     vocab = 500
     position = data.draw(st.integers(0, size - 1))
     others = data.draw(st.lists(st.sampled_from(_OTHERS), min_size=size - 1, max_size=size - 1))
     target = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    row = torch.randn(vocab, generator=torch.Generator().manual_seed(seed % 1000)) * 3
+    row = _property_row(kind, vocab, seed % 1000)
     alone = sample(row[None], _batch([target], seeds=[seed], steps=[step]))[0].item()
 
     params = others[:position] + [target] + others[position:]
@@ -306,10 +353,21 @@ def test_batch_independence_property(temperature, top_k, top_p, seed, step, size
     seeds[position] = seed
     steps = [data.draw(st.integers(0, 100)) for _ in range(size)]
     steps[position] = step
-    logits = torch.randn(size, vocab, generator=torch.Generator().manual_seed(size))
+    kinds = [data.draw(st.sampled_from(_ROW_KINDS)) for _ in range(size)]
+    logits = torch.stack([_property_row(k, vocab, size * 10 + i) for i, k in enumerate(kinds)])
     logits[position] = row
     out = sample(logits, _batch(params, seeds=seeds, steps=steps))
     assert out[position].item() == alone
+
+    assert math.isfinite(row[alone].item()), "drew a masked (-inf) token"
+    if target.greedy or top_k == 1:
+        assert alone == int(torch.argmax(row)), "not the argmax with the lowest id among ties"
+    elif temperature <= 4 * GREEDY_TEMPERATURE:
+        # A token g below the maximum weighs exp(-g / T) of it; the noise's ratio (E_i / E_max) is at least
+        # 6e-8 / 16.6, so at T <= 4e-5 it can win only when g < 7.8e-4.
+        assert row.max().item() - row[alone].item() < 1e-3, "a near-greedy row drew a token below its maximum"
+    if top_k > 0:
+        assert (row > row[alone]).sum().item() < top_k, "drew a token outside the top-k values"
 
 
 def test_fast_path_and_sorted_path_agree():
@@ -444,6 +502,7 @@ def test_hash32_matches_reference_and_stays_in_range():
     xs = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [rng.randrange(2**32) for _ in range(5000)]
     out = hash32(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert out == [_lowbias32_reference(x) for x in xs]
+    assert [_lowbias32_inverse(_lowbias32_reference(x)) for x in xs] == xs
     assert all(0 <= v < 2**32 for v in out)
     # a bijection: consecutive inputs never collide
     block = hash32(torch.arange(2**20, dtype=torch.int64))
@@ -461,9 +520,21 @@ def test_uniform_noise_is_uniform_and_open():
     # 16 equal buckets, 3.2M samples: every bucket within 1% of 1/16
     hist = torch.histc(u, bins=16, min=0.0, max=1.0) / u.numel()
     assert (hist - 1 / 16).abs().max().item() < 1e-2 / 16
-    # extremes are representable and exact
-    extreme = uniform_noise(torch.tensor([0]), torch.tensor([0]), torch.arange(8))
+    # Every value is an odd multiple of 2**-24 (23 random bits), so never 0 or 1.
+    scaled = u * 2**24  # exact: u holds float32 values widened to float64
+    not_odd = (scaled != scaled.round()) | (scaled.remainder(2) != 1)
+    assert not not_odd.any(), f"{int(not_odd.sum())} values are not odd multiples of 2**-24: {u[not_odd][:3].tolist()}"
+    assert u.min().item() >= 2**-24 and u.max().item() <= 1 - 2**-24
+    # The extremes are reached, exactly: the token ids whose hashes are 0 and 2**32 - 1 (the two rounds
+    # inverted) draw 2**-24 and 1 - 2**-24, and their exponential noise is finite and positive.
+    seed, step = torch.tensor([12345], dtype=torch.int64), torch.tensor([6], dtype=torch.int64)
+    k1, k2 = (int(k) for k in _row_keys(seed, step))
+    extreme_ids = torch.tensor([[_lowbias32_inverse(_lowbias32_inverse(x) ^ k2) ^ k1 for x in (0, 2**32 - 1)]])
+    extreme = uniform_noise(seed, step, extreme_ids)
     assert extreme.dtype == torch.float32
+    assert extreme.tolist() == [[2**-24, 1 - 2**-24]]
+    e_extreme = exponential_noise(seed, step, extreme_ids)
+    assert torch.isfinite(e_extreme).all() and (e_extreme > 0).all()
     e = exponential_noise(seeds, steps, torch.arange(1000))
     assert torch.isfinite(e).all() and (e > 0).all()
     assert abs(e.double().mean().item() - 1.0) < 0.02

@@ -73,8 +73,10 @@ def check_against_sorting_sampler(logits, params, seed=0, max_chunk=top_k_top_p.
     assert len(mismatched) <= allowed_mismatches, (mismatched, got.tolist(), want.tolist())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("vocab,max_chunk", [(300, 64), (37, 16)])
+@pytest.mark.parametrize("dtype,vocab,max_chunk", [
+    (torch.float32, 300, 64), (torch.bfloat16, 300, 64), (torch.float32, 37, 16), (torch.bfloat16, 37, 16),
+    (torch.float16, 37, 16),
+], ids=str)
 def test_every_kind_of_row_matches_the_sorting_sampler(vocab, max_chunk, dtype):
     """bf16 logits repeat values often, so top-k and top-p boundaries fall inside runs of equal values
     and the lower ids must be the ones kept."""

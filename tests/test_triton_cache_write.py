@@ -69,6 +69,7 @@ def _poisoned_cache(num_blocks, block_size, row, dtype, seed):
         (9, 4, 96, 32, torch.float32),
         (3, 8, 128, 16, torch.bfloat16),  # row of 1024: one program per row
         (4, 9, 128, 16, torch.float16),  # row of 1152: two programs per row, second one masked
+        (5, 2, 112, 16, torch.float16),  # row of 224 in a program of 256
     ],
 )
 def test_write_matches_reference(num_tokens, num_kv_heads, head_size, block_size, dtype):

@@ -10,6 +10,8 @@ from ..config import ModelConfig, RopeScaling
 from ..errors import ModelLoadError
 
 PREFIX = "random:"
+#: RMSNorm weights of a random preset are 1 + N(0, NORM_WEIGHT_STD) (see ``RandomCheckpoint.initialize``).
+NORM_WEIGHT_STD = 0.15
 
 _LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=8192)
@@ -43,7 +45,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 @dataclass
 class RandomCheckpoint:
-    """A preset's shape; weights are drawn on the target device, N(0, init_std) for matrices."""
+    """A preset's shape; weights are drawn on the target device, N(0, init_std) for matrices, 1 + N(0, 0.15)
+    for norms."""
 
     name: str
     config: ModelConfig
@@ -52,17 +55,25 @@ class RandomCheckpoint:
     tokenizer: None = None
 
     def initialize(self, model: torch.nn.Module) -> None:
-        """Fill every parameter in place: norms with 1, biases with 0, matrices with N(0, init_std)."""
+        """Fill every parameter in place: biases with 0, matrices with N(0, init_std), norms with
+        1 + N(0, NORM_WEIGHT_STD)."""
         first = next(model.parameters())
         generator = torch.Generator(device=first.device).manual_seed(self.seed)
         with torch.no_grad():
+            norms = []
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.fill_(1.0)
+                    norms.append(param)
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
                     param.normal_(0.0, self.init_std, generator=generator)
+            # Norm weights are drawn around 1 rather than set to 1, so that no two norms are alike: with
+            # unit weights a model that applies one norm's weight in another's place (the input norm's for
+            # the post-attention norm's, say) computes the same thing and no comparison can tell. They are
+            # drawn after every matrix, from the same generator, so the matrices do not depend on them.
+            for param in norms:
+                param.normal_(1.0, NORM_WEIGHT_STD, generator=generator)
 
 
 def read_random_preset(spec: str, init_std: float = 0.02, seed: int = 0) -> RandomCheckpoint:
