@@ -301,6 +301,9 @@ class DecodeGraphRunner:
                 if not self.fits_static_buffers(batch):
                     self._carried_rows = 0
                     return self._decode_unbuffered(batch)
+                if reason == EagerReason.GRAPH_CHECK_FAILED:  # the step its graph would run: same bucket and bound
+                    return self._decode_static(batch, choose_bucket(self.capture_sizes, len(batch)), replay=False,
+                                               carry_input_ids=carry_input_ids, carry_rows=carry_rows)
                 # No graph to match: bound attention by this batch's longest row, not the captured maximum.
                 return self._decode_static(batch, len(batch), replay=False, carry_input_ids=carry_input_ids,
                                            carry_rows=carry_rows, max_seq_len=max(batch.seq_lens))
