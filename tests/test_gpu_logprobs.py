@@ -16,9 +16,12 @@ pytest.importorskip("transformers")
 from graphrt import LLM, SamplingParams  # noqa: E402
 from random_checkpoints import random_prompts, write_random_checkpoint  # noqa: E402
 
-#: Largest |graphrt - HF float32| logprob: float32 runs Triton's attention dots in tf32; bfloat16 rounds
-#: the hidden states (its logits differ from HF float32's by up to ~0.16 on these checkpoints).
-TOLERANCE = {"float32": 0.02, "bfloat16": 0.3}
+#: Largest |graphrt - HF float32| logprob (measured on the H200: 4.4e-6 in float32; 0.080 in bfloat16,
+#: which rounds the hidden states).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.2}
+#: Largest |graphs - eager| logprob (measured: 1.4e-6 in float32, 0 in bfloat16; the eager decode bounds
+#: attention by the batch's longest row, so its splits, and their sums' order, may differ).
+GRAPHS_VS_EAGER = {"float32": 1e-5, "bfloat16": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_graph_logprobs_match_hf_and_eager(checkpoint, dtype, record_property):
     record_property("worst_graphs_vs_eager", worst_eager)
     print(f"\n[{dtype}] logprobs: largest difference to HF float32 {worst_hf:.3g}, graphs vs eager {worst_eager:.3g}")
     assert worst_hf <= TOLERANCE[dtype]
-    assert worst_eager <= TOLERANCE[dtype] / 4
+    assert worst_eager <= GRAPHS_VS_EAGER[dtype]
 
 
 def test_asking_for_logprobs_changes_no_token_on_the_fused_samplers(checkpoint):
