@@ -14,6 +14,7 @@ over-long contexts, ``enforce_eager`` and failed captures run eagerly and are co
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 import time
 from collections.abc import Sequence
@@ -95,10 +96,9 @@ class DecodeGraphRunner:
         check_graphs: int = 0,
         device: torch.device | None = None,
     ) -> None:
-        if max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
-        if check_graphs < 0:
-            raise ValueError(f"check_graphs must be >= 0 (0 = off), got {check_graphs}")
+        for name, value in (("max_logprobs", max_logprobs), ("check_graphs", check_graphs)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -107,8 +107,8 @@ class DecodeGraphRunner:
         self.max_batch_size = self.capture_sizes[-1]
         self.stats = DecodeStats()
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.max_logprobs = max_logprobs
-        self.check_graphs = check_graphs
+        self.max_logprobs = int(max_logprobs)
+        self.check_graphs = int(check_graphs)
         #: The runtime oracle, made when the graphs are captured with ``check_graphs`` on.
         self.graph_check: GraphCheck | None = None
         self.closed = False
@@ -169,6 +169,9 @@ class DecodeGraphRunner:
         """Warm up, then capture every bucket, largest first, into one memory pool. A failure
         leaves the runner eager with one warning; it never raises."""
         if not self.uses_graphs:
+            if self.check_graphs:
+                logger.warning("check_graphs=%d has nothing to check: decode runs without graphs here (%s)",
+                               self.check_graphs, self.eager_reason)
             return self.stats
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,10 +331,12 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if not _is_count(self.max_logprobs):
             raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        self.max_logprobs = int(self.max_logprobs)
         if self.check_graphs is None:
             self.check_graphs = _check_graphs_from_environment()
         elif not _is_count(self.check_graphs):
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
+        self.check_graphs = int(self.check_graphs)
 
 
 #: The environment variable ``EngineConfig.check_graphs`` falls back to.
@@ -341,7 +344,8 @@ ENV_CHECK_GRAPHS = "GRAPHRT_CHECK_GRAPHS"
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """An integer >= 0 of any integer type (NumPy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def _check_graphs_from_environment() -> int:

@@ -19,6 +19,7 @@ from . import nvtx
 from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, triton_interpreter_on
 from .errors import ConfigError, GraphrtError, InvalidRequestError
+from .host_memory import return_freed_host_memory
 from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from .loader import load_weights_into, open_checkpoint
 from .logprobs import TokenLogprobs
@@ -278,9 +279,11 @@ class LLMEngine:
             self.closed = True
             self.decode_runner.close()
             self.runner.kv_caches.clear()  # the list the model runner and the graph runner share
-            self.model.to_empty(device="meta")
+            self.model.release_weights()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            else:
+                return_freed_host_memory()
 
     def _check_open(self) -> None:
         if self.closed:

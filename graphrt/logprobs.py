@@ -26,7 +26,8 @@ class TokenLogprobs:
 
     ``token_id``: the token scored (sampled, or the prompt's next token); ``logprob``: its float32 log
     probability; ``rank``: 1 + the number of tokens with a larger logit (1 = a greedy choice); ``top``:
-    ``(token id, logprob)`` of the k most likely tokens, most likely first (k as the request asked).
+    ``(token id, logprob)`` of the k most likely tokens, most likely first (k as the request asked; the
+    whole vocabulary when k exceeds it).
     """
 
     token_id: int
@@ -97,7 +98,7 @@ def rows_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 #: Prompt positions scored per LM-head call: bounds the [rows, V] float32 logits a long prompt needs
-#: (4 MiB a row at a 128k vocabulary) to 1 GiB.
+#: (0.5 MiB a row at a 128k vocabulary) to 128 MiB.
 PROMPT_ROWS_PER_CHUNK = 256
 
 

@@ -53,8 +53,9 @@ class SamplingParams:
             ``max_tokens`` or a stop token.
         logprobs: None (off), or k >= 0: each generated token comes with its float32 log
             probability under the model (``log_softmax`` of the raw logits, before temperature
-            and filters), its rank, and the k most likely tokens with theirs (``graphrt.logprobs``).
-            The engine caps k (``EngineConfig.max_logprobs``).
+            and filters), its rank, and the k most likely tokens with theirs (``graphrt.logprobs``;
+            all of them when k exceeds the vocabulary). The engine refuses a k above its
+            ``EngineConfig.max_logprobs``.
         prompt_logprobs: None (off), or k >= 0: the same for every prompt token after the first,
             scored by the prompt before it (what evaluation harnesses read for log-likelihoods).
 

@@ -112,11 +112,10 @@ def _byte_level_bpe(
             f"GGUF pre-tokenizer {pre!r} is not supported; graphrt knows {', '.join(sorted(_GGUF_PRE_RULES))}"
         )
     rule = _GGUF_PRE_RULES[pre]
-    merges: list[str] = _array(reader, "tokenizer.ggml.merges", _STRINGS) or []
     # A merge is "left right"; neither side can hold a space, which byte-level spells as "Ġ".
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
+        merges=_merges(reader) or [],
         fuse_unk=False,
         byte_fallback=False,
         ignore_merges=rule.ignore_merges,
@@ -144,10 +143,10 @@ def _sentencepiece_bpe(
         raise ModelLoadError(
             "GGUF tokenizer model 'llama' (SentencePiece) needs tokenizer.ggml.scores, which the file lacks"
         )
-    merges: list[str] | None = _array(reader, "tokenizer.ggml.merges", _STRINGS)
+    merges = _merges(reader)
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges] if merges else _merges_by_score(tokens, token_types, scores),
+        merges=merges if merges else _merges_by_score(tokens, token_types, scores),
         unk_token=_special_token(reader, "tokenizer.ggml.unknown_token_id", tokens),
         fuse_unk=True,
         byte_fallback=True,
@@ -300,7 +299,7 @@ class Tokenizer:
             backend,
             bos_token=_special_token(reader, "tokenizer.ggml.bos_token_id", tokens),
             eos_tokens=tuple(t for t in eos if t is not None),
-            chat_template=_field(reader, "tokenizer.chat_template"),
+            chat_template=_string(reader, "tokenizer.chat_template"),
             add_bos_token=_flag(reader, "tokenizer.ggml.add_bos_token", add_bos_by_default),
             add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token", False),
         )
@@ -444,6 +443,27 @@ def _array(reader: gguf.GGUFReader, key: str, items: _ItemType, length: int | No
     if length is not None and len(values) != length:
         raise ModelLoadError(f"{key} holds {len(values)} entries for {length} tokens")
     return values
+
+
+def _merges(reader: gguf.GGUFReader) -> list[tuple[str, str]] | None:
+    """``tokenizer.ggml.merges`` as (left, right) pairs, None when absent; ModelLoadError for an entry that
+    is not two pieces joined by one space."""
+    merges = _array(reader, "tokenizer.ggml.merges", _STRINGS)
+    if merges is None:
+        return None
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    bad = next((merge for merge, pair in zip(merges, pairs) if len(pair) != 2 or not all(pair)), None)
+    if bad is not None:
+        raise ModelLoadError(f"tokenizer.ggml.merges holds {bad!r}, not two pieces joined by one space")
+    return pairs
+
+
+def _string(reader: gguf.GGUFReader, key: str) -> str | None:
+    """The string stored under ``key``, None when absent; ModelLoadError for another type."""
+    value = _field(reader, key)
+    if value is not None and not isinstance(value, str):
+        raise ModelLoadError(f"{key} must be a string, not {value!r}")
+    return value
 
 
 def _flag(reader: gguf.GGUFReader, key: str, default: bool) -> bool:

@@ -531,12 +531,16 @@ BAD_FILES = [
     (dict(eos_token_id=-1), r"tokenizer.ggml.eos_token_id is -1, not an id in the vocabulary of \d+ tokens"),
     (dict(unknown_token_id=100_000), r"tokenizer.ggml.unknown_token_id is 100000, not an id in the vocabulary"),
     (dict(add_space_prefix=1), r"tokenizer.ggml.add_space_prefix must be a boolean, not 1"),
+    (dict(merges=["nospace"]), r"tokenizer.ggml.merges holds 'nospace', not two pieces joined by one space"),
+    (dict(merges=["\u2581 f", "a b c"]), r"tokenizer.ggml.merges holds 'a b c', not two pieces"),
+    (dict(chat_template=5), r"tokenizer.chat_template must be a string, not 5"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_FILES, ids=[
     "unknown_model", "no_scores", "short_scores", "int_scores", "string_scores", "short_token_type",
-    "float_token_type", "bos_outside", "eos_negative", "unk_outside", "int_space_prefix"])
+    "float_token_type", "bos_outside", "eos_negative", "unk_outside", "int_space_prefix", "merge_without_space",
+    "merge_of_three", "int_chat_template"])
 def test_bad_tokenizer_metadata_is_refused_by_name(vocabulary, tmp_path, overrides, message):
     """Each malformed key ends in one line naming the file and the key, not a crash inside the
     ``tokenizers`` library or a silently wrong tokenizer."""

@@ -135,8 +135,22 @@ def test_engine_config_and_environment(monkeypatch):
         GraphCheck(0, {})
 
 
-def test_engine_without_cuda_arms_no_oracle():
-    """On CPU nothing is captured, so there is nothing to check: the option is accepted and inert."""
-    with LLM(**TINY, check_graphs=1) as llm:
-        [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
-        assert len(out.token_ids) == 3 and llm.engine.decode_runner.graph_check is None
+def test_engine_without_graphs_says_the_oracle_has_nothing_to_check(caplog):
+    """On CPU (or with enforce_eager) nothing is captured: the option is accepted, and a warning says so."""
+    with caplog.at_level(logging.WARNING, logger="graphrt.capture.graph_runner"):
+        with LLM(**TINY, check_graphs=1) as llm:
+            [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+            assert len(out.token_ids) == 3 and llm.engine.decode_runner.graph_check is None
+    assert "check_graphs=1 has nothing to check: decode runs without graphs here (no_cuda)" in caplog.text
+
+
+def test_runner_options_are_checked(llm):
+    import numpy as np
+
+    engine = llm.engine
+    for name, bad in [("max_logprobs", "5"), ("max_logprobs", None), ("max_logprobs", 2.5), ("check_graphs", 1.5),
+                      ("check_graphs", True), ("check_graphs", -1)]:
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 0, got {bad!r}"):
+            DecodeGraphRunner(engine.model, engine.runner.kv_caches, engine.attention_backend, block_size=16,
+                              max_seq_len=64, max_batch_size=2, **{name: bad})
+    assert EngineConfig(max_logprobs=np.int64(3), check_graphs=np.int32(2)).max_logprobs == 3

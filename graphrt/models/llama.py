@@ -248,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
         A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
         one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
         """
+        self._check_weights()
         gemv = self.runs_gemv_layers(input_ids.shape[0])
         run = LlamaDecoderLayer.forward_gemv if gemv else LlamaDecoderLayer.__call__
         hidden, residual = self.embed_tokens(input_ids), None
@@ -272,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         On CUDA one cuBLAS GEMM reads the 16-bit weights and writes float32 (``torch.mm`` with
         ``out_dtype``); elsewhere the operands are upcast first (exact, one float32 copy of the head).
         """
+        self._check_weights()
         weight = self.lm_head_weight
         if weight.dtype == torch.float32:
             return nn.functional.linear(hidden, weight)
@@ -280,6 +282,17 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden.float(), weight.float())
 
     # -- weights -----------------------------------------------------------------------------------
+
+    def release_weights(self) -> None:
+        """Free every parameter and buffer (they become meta tensors: no memory anywhere); the model
+        refuses forwards from then on (a CPU product with a meta weight would return uninitialised
+        memory rather than fail)."""
+        self.to_empty(device="meta")
+        self.weights_released = True
+
+    def _check_weights(self) -> None:
+        if getattr(self, "weights_released", False):
+            raise RuntimeError("this model's weights were released (LLM.close()); build a new LLM to run it")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every parameter must be set.
