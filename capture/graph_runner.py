@@ -14,7 +14,6 @@ over-long contexts, ``enforce_eager`` and failed captures run eagerly and are co
 from __future__ import annotations
 
 import logging
-import numbers
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 from graphrt import nvtx
 from graphrt.attention import AttentionBackend, AttentionMetadata
 from graphrt.attention.metadata import pinned_to_device
+from graphrt.config import is_count
 from graphrt.logprobs import token_logprobs
 from graphrt.sampler import SamplingTensors, sample
 
@@ -97,7 +97,7 @@ class DecodeGraphRunner:
         device: torch.device | None = None,
     ) -> None:
         for name, value in (("max_logprobs", max_logprobs), ("check_graphs", check_graphs)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+            if not is_count(value):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         self.model = model
         self.kv_caches = kv_caches

@@ -61,23 +61,15 @@ class PendingTokens:
         ``token_logprobs`` for those rows, when given; ``num_tops``: each row's requested top count or
         None) into ``buffers``, then record its event after them (CUDA tokens; the event must not be
         awaited by an unread earlier launch)."""
-        host = _host_view(tokens, buffers.tokens)
-        host_logprobs = None
+        pairs = [(tokens, buffers.tokens)]
         if logprobs is not None:
-            host_logprobs = (_host_view(logprobs[0], buffers.logprob_values),
-                             _host_view(logprobs[1], buffers.logprob_ids))
-        if not tokens.is_cuda:
-            host.copy_(tokens)
-            if host_logprobs is not None:
-                host_logprobs[0].copy_(logprobs[0])
-                host_logprobs[1].copy_(logprobs[1])
-            return cls(host, None, host_logprobs, num_tops)
-        host.copy_(tokens, non_blocking=True)
-        if host_logprobs is not None:
-            host_logprobs[0].copy_(logprobs[0], non_blocking=True)
-            host_logprobs[1].copy_(logprobs[1], non_blocking=True)
-        buffers.copied.record(torch.cuda.current_stream(tokens.device))
-        return cls(host, buffers.copied, host_logprobs, num_tops)
+            pairs += [(logprobs[0], buffers.logprob_values), (logprobs[1], buffers.logprob_ids)]
+        hosts = [_host_view(device, buffer).copy_(device, non_blocking=tokens.is_cuda) for device, buffer in pairs]
+        copied = None
+        if tokens.is_cuda:
+            copied = buffers.copied
+            copied.record(torch.cuda.current_stream(tokens.device))
+        return cls(hosts[0], copied, (hosts[1], hosts[2]) if logprobs is not None else None, num_tops)
 
     @classmethod
     def empty(cls) -> PendingTokens:

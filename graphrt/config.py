@@ -329,12 +329,12 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 2 (one is the null block), got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
-        if not _is_count(self.max_logprobs):
+        if not is_count(self.max_logprobs):
             raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         self.max_logprobs = int(self.max_logprobs)
         if self.check_graphs is None:
             self.check_graphs = _check_graphs_from_environment()
-        elif not _is_count(self.check_graphs):
+        elif not is_count(self.check_graphs):
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
         self.check_graphs = int(self.check_graphs)
 
@@ -343,7 +343,7 @@ class EngineConfig:
 ENV_CHECK_GRAPHS = "GRAPHRT_CHECK_GRAPHS"
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """An integer >= 0 of any integer type (NumPy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
