@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .backend import AttentionBackend, AttentionImpl
-from .metadata import AttentionMetadata
-from .reference import ReferenceAttentionBackend
-from .triton_backend import TritonAttentionBackend
+from graphrt.attention.backend import AttentionBackend, AttentionImpl
+from graphrt.attention.metadata import AttentionMetadata
+from graphrt.attention.reference import ReferenceAttentionBackend
+from graphrt.attention.triton_backend import TritonAttentionBackend
 
 #: Every backend graphrt ships, by name, in order of preference.
 BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -1,7 +1,9 @@
 """The attention-backend interface, shaped like vLLM V0 backends so engines built on those recognise it.
 
-A backend is a set of static functions (cache shape, block swap/copy, metadata construction) plus an
-implementation class whose ``forward`` writes the step's new K/V into the paged cache and attends.
+A backend is a set of static functions (cache shape, metadata construction, the decode-graph hooks)
+plus an implementation class whose ``forward`` writes the step's new K/V into the paged cache and
+attends. The graph hooks deal in attention metadata only: the tokens a step decodes, their positions
+and everything else a decode graph reads belong to its runner (``graphrt.capture``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .graph_state import DecodeGraphState
-from .metadata import AttentionMetadata
+from graphrt.attention.graph_state import DecodeGraphState
+from graphrt.attention.metadata import AttentionMetadata
 
 #: Head sizes every backend's kernels are built and tested for.
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
@@ -135,34 +137,8 @@ class AttentionBackend(ABC):
         block_tables: list[list[int]],
         slot_mapping: list[int],
         padded_batch_size: int,
-        input_ids: list[int] | None = None,
-        positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
-        keep_input_ids: bool = False,
-        carry_rows: list[int] | None = None,
     ) -> None:
-        """Before a replay: copy the real rows in (tokens and positions too) and make padding rows inert
-        (token 0 at position 0, slot -1, length 1, null block); ``keep_input_ids`` leaves the device's
-        token ids as they are (``carry_rows``: their source rows, staged). See ``DecodeGraphState.refresh``."""
-        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, input_ids, positions,
-                      block_table_versions, keep_input_ids, carry_rows)
-
-    @staticmethod
-    def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: dict[int, int]) -> None:
-        """Copy blocks between two caches of one layer (e.g. GPU and pinned CPU); dim 1 indexes blocks."""
-        if not src_to_dst:
-            return
-        src = torch.tensor(list(src_to_dst.keys()), device=src_kv_cache.device)
-        dst = torch.tensor(list(src_to_dst.values()), device=dst_kv_cache.device)
-        dst_kv_cache[:, dst] = src_kv_cache[:, src].to(dst_kv_cache.device, non_blocking=True)
-
-    @staticmethod
-    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dsts: dict[int, list[int]]) -> None:
-        """Within every layer's cache, copy each source block to each of its destinations."""
-        pairs = [(s, d) for s, dsts in src_to_dsts.items() for d in dsts]
-        if not pairs:
-            return
-        for cache in kv_caches:
-            src = torch.tensor([s for s, _ in pairs], device=cache.device)
-            dst = torch.tensor([d for _, d in pairs], device=cache.device)
-            cache[:, dst] = cache[:, src]
+        """Before a replay: copy the real rows' attention metadata in and make padding rows inert
+        (slot -1, length 1, null block). See ``DecodeGraphState.refresh``."""
+        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, block_table_versions)

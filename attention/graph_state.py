@@ -1,5 +1,9 @@
-"""Static decode inputs and metadata for CUDA graphs: allocated once at the largest batch bucket, refreshed
-in place from pinned host staging before every replay, with padding rows made inert (DESIGN.md §4, rule 3)."""
+"""Static attention metadata for decode CUDA graphs: allocated once at the largest batch bucket, refreshed
+in place from pinned host staging before every replay, with padding rows made inert so that a padded
+graph's extra rows write nothing and read only the null block.
+
+Only attention's own fields live here (slots, lengths, block tables, kernel scratch); the tokens a
+step decodes and their positions belong to the graph runner (``graphrt.capture``)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from graphrt.staging import PackedStaging
-
-from .metadata import AttentionMetadata
+from graphrt.attention.metadata import AttentionMetadata
+from graphrt.base.staging import PackedStaging
 
 #: Padding rows write nowhere (slot -1 is skipped), attend to one key, and read only the null block.
 PAD_SLOT = -1
@@ -20,23 +23,20 @@ NULL_BLOCK = 0
 
 @dataclass
 class DecodeGraphState:
-    """Device tensors a captured decode graph reads, and their pinned host mirror.
+    """Attention tensors a captured decode graph reads, and their pinned host mirror.
 
     ``B`` = largest bucket, ``M = ceil(max_seq_len / block_size)`` = block-table width. The per-step
     fields share one ``PackedStaging`` (block tables last), so a refresh is numpy writes and one copy of
     the bytes in use, not a copy (and a cumsum kernel) per field.
     """
 
-    input_ids: torch.Tensor  # [B] int64, the token each row decodes
-    carry_rows: torch.Tensor  # [B] int64, a pipelined step's source rows (see ``refresh``'s ``carry_rows``)
-    positions: torch.Tensor  # [B] int64
     slot_mapping: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int32
     seq_start_loc: torch.Tensor  # [B + 1] int32, prefix sums of seq_lens (refreshed)
     block_tables: torch.Tensor  # [B, M] int32
     query_lens: torch.Tensor  # [B] int32, all ones (decode)
     query_start_loc: torch.Tensor  # [B + 1] int32, arange (one token per row)
-    #: The buffers behind the seven fields above and their host mirror.
+    #: The buffers behind the four fields above and their host mirror.
     packed: PackedStaging
     #: [B] int64: per staging row, the version of the block table it holds (``_UNKNOWN`` when not known,
     #: ``_PADDING`` for a padding row's null-block row).
@@ -59,9 +59,6 @@ class DecodeGraphState:
     def allocate(cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device) -> DecodeGraphState:
         batch, width = max_batch_size, -(-max_seq_len // block_size)
         packed = PackedStaging([
-            ("input_ids", torch.int64, (batch,)),
-            ("carry_rows", torch.int64, (batch,)),
-            ("positions", torch.int64, (batch,)),
             ("slot_mapping", torch.int64, (batch,)),
             ("seq_lens", torch.int32, (batch,)),
             ("seq_start_loc", torch.int32, (batch + 1,)),
@@ -83,7 +80,7 @@ class DecodeGraphState:
             max_seq_len=max_seq_len,
         )
 
-    def metadata(self, batch_size: int, kv_cache_dtype: str = "auto") -> AttentionMetadata:
+    def metadata(self, batch_size: int) -> AttentionMetadata:
         """Decode metadata over the first ``batch_size`` rows: views, so a graph captured with it reads
         whatever ``refresh`` wrote last."""
         return AttentionMetadata(
@@ -99,8 +96,6 @@ class DecodeGraphState:
             seq_start_loc=self.seq_start_loc[: batch_size + 1],
             block_tables=self.block_tables[:batch_size],
             block_size=self.block_size,
-            kv_cache_dtype=kv_cache_dtype,
-            use_cuda_graph=True,
             max_decode_seq_len=self.max_seq_len,
         )
 
@@ -110,24 +105,14 @@ class DecodeGraphState:
         block_tables: list[list[int]],
         slot_mapping: list[int],
         padded_batch_size: int,
-        input_ids: list[int] | None = None,
-        positions: list[int] | None = None,
         block_table_versions: list[int] | None = None,
-        keep_input_ids: bool = False,
-        carry_rows: list[int] | None = None,
     ) -> None:
         """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
         numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
-        ``input_ids``/``positions`` (one per real row) default to 0. Padding rows get token 0 at
-        position 0, slot -1, length 1 and the null block. ``block_table_versions`` (ints >= 0, equal
-        only for equal tables; see ``DecodeBatch``) let a row whose table is already staged skip its
-        conversion. ``keep_input_ids``: leave the device's ``input_ids`` as they are (``input_ids`` is
-        ignored; the copy starts after that field): the graph runner's pipelined decode, whose tokens
-        are the previous step's samples, already on the device; padding rows then keep the ids they
-        sampled (vocabulary ids like any other: a padding row's result is never read). ``carry_rows``
-        (with ``keep_input_ids``): one source row per real row, staged into ``carry_rows`` for the
-        runner's gather (``DecodeGraphRunner.launch``). Raises ValueError for a row that
-        exceeds the captured maximum context; nothing is copied then.
+        Padding rows get slot -1, length 1 and the null block. ``block_table_versions`` (ints >= 0,
+        equal only for equal tables; see ``graphrt.capture.DecodeBatch``) let a row whose table is
+        already staged skip its conversion. Raises ValueError for a row that exceeds the captured
+        maximum context; nothing is copied then.
 
         The copy reads the staging buffer when the stream reaches it, so a refresh first waits until
         the previous refresh's copy has run (immediate unless that step is still queued).
@@ -144,18 +129,6 @@ class DecodeGraphState:
         self.packed.wait_until_uploaded()
         host = self.packed.host
         n = padded_batch_size
-        if carry_rows is not None:
-            if not keep_input_ids or len(carry_rows) != batch:
-                raise ValueError("carry_rows needs keep_input_ids and one source row per row")
-            host["carry_rows"][:batch] = carry_rows
-        for name, values in (("input_ids", input_ids), ("positions", positions)):
-            if name == "input_ids" and keep_input_ids:
-                continue
-            if values is None:
-                host[name][:n] = 0
-            else:
-                host[name][:batch] = values
-                host[name][batch:n] = 0
         host["slot_mapping"][:batch] = slot_mapping
         host["slot_mapping"][batch:n] = PAD_SLOT
         lens = host["seq_lens"]
@@ -175,9 +148,8 @@ class DecodeGraphState:
         if padding.any():
             tables[batch:n][padding] = NULL_BLOCK
             staged[batch:n] = _PADDING
-        # Later block-table rows are not read; input_ids comes first, so keeping it skips a prefix.
-        self.packed.upload(self.packed.bytes_through("block_tables", n),
-                           first_byte=self.packed.field_start("carry_rows") if keep_input_ids else 0)
+        # Block-table rows past the padded batch are not read: the copy stops after row n.
+        self.packed.upload(self.packed.bytes_through("block_tables", n))
 
 
 #: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.

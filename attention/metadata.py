@@ -1,7 +1,7 @@
 """Per-step attention metadata, built once by the model runner and read by every layer.
 
 Token layout of a step: the new tokens of all prefilling sequences first, then one token per decoding
-sequence. Lengths have one meaning each (the seed's ``context_len`` had two):
+sequence. Lengths have one meaning each:
 
 * ``query_lens[i]``: new tokens of sequence ``i`` in this step (its prompt chunk, or 1 when decoding);
 * ``context_lens[i]``: tokens of sequence ``i`` already in the KV cache before this step;
@@ -47,9 +47,6 @@ class AttentionMetadata:
     #: [B, M] int32: physical KV blocks of each sequence, padded with the null block (0).
     block_tables: torch.Tensor
     block_size: int
-    kv_cache_dtype: str = "auto"
-    #: True when this step replays a captured CUDA graph (tensors are the graph's static buffers).
-    use_cuda_graph: bool = False
     #: Upper bound on decoding sequences' seq_lens that fixes decode launch shapes (grids, split
     #: counts, gathered blocks); 0 = the largest decode seq_len in ``seq_lens``.
     max_decode_seq_len: int = 0
@@ -121,8 +118,6 @@ class AttentionMetadata:
             seq_start_loc=seq_start - seq_start[0],
             block_tables=self.block_tables[first_seq:end_seq],
             block_size=self.block_size,
-            kv_cache_dtype=self.kv_cache_dtype,
-            use_cuda_graph=self.use_cuda_graph,
             max_decode_seq_len=0 if is_prefill else self.max_decode_seq_len,
             decode_workspace=None if is_prefill else self.decode_workspace,
         )
@@ -138,7 +133,6 @@ class AttentionMetadata:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
-        kv_cache_dtype: str = "auto",
         max_decode_seq_len: int = 0,
     ) -> AttentionMetadata:
         """Build from host lists; copies go to ``device`` once, through pinned memory on CUDA.
@@ -177,7 +171,6 @@ class AttentionMetadata:
             seq_start_loc=to_device(seq_starts, torch.int32),
             block_tables=to_device(padded_tables, torch.int32).view(len(block_tables), width),
             block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype,
             max_decode_seq_len=max_decode_seq_len,
         )
 

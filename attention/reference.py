@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import AttentionBackend, AttentionImpl
-from .metadata import AttentionMetadata
-
+from graphrt.attention.backend import AttentionBackend, AttentionImpl
+from graphrt.attention.metadata import AttentionMetadata
 
 
 def write_to_paged_cache(

@@ -2,7 +2,7 @@
 prefill of uncached prompts. Same cache layout as the reference backend (see ``reference.py``).
 
 Per step: new K/V are written to their slots (slot -1 skipped); prompts with nothing cached go to
-xFormers (flash on the H200) when it is usable, otherwise to the prefix-prefill kernel, which also
+xFormers (its flash kernels in 16-bit dtypes) when it is usable, otherwise to the prefix-prefill kernel, which also
 serves prompts whose prefix is already cached (metadata with context_lens > 0, e.g. an embedding
 engine's prefix reuse; graphrt's own engine recomputes preempted sequences from scratch); decodes go to the
 split-K paged decode kernel, whose launch shape depends only on the batch and ``max_decode_seq_len``.
@@ -14,10 +14,10 @@ import importlib.util
 
 import torch
 
-from .backend import AttentionBackend, AttentionImpl
-from .graph_state import DecodeGraphState
-from .metadata import AttentionMetadata
-from .reference import attend_uncached_prompts
+from graphrt.attention.backend import AttentionBackend, AttentionImpl
+from graphrt.attention.graph_state import DecodeGraphState
+from graphrt.attention.metadata import AttentionMetadata
+from graphrt.attention.reference import attend_uncached_prompts
 
 #: Key of the decode split-K workspace in ``DecodeGraphState.extras``.
 _WORKSPACE = "decode_workspace"
@@ -28,8 +28,13 @@ class TritonAttentionImpl(AttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window)
         # Imported here, not at module level, so that importing graphrt never compiles or imports
         # Triton on machines that cannot run it.
-        from . import triton_cache_write, triton_paged_decode, triton_prefix_prefill, xformers_prefill
-        from .xformers_compat import xformers_status
+        from graphrt.attention import (
+            triton_cache_write,
+            triton_paged_decode,
+            triton_prefix_prefill,
+            xformers_prefill,
+        )
+        from graphrt.attention.xformers_compat import xformers_status
 
         self._write = triton_cache_write.write_kv_cache
         self._decode = triton_paged_decode.paged_decode_attention
@@ -119,7 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def init_graph_state(cls, max_batch_size, max_seq_len, block_size, device, *, num_heads, head_size):
-        from .triton_paged_decode import DecodeWorkspace
+        from graphrt.attention.triton_paged_decode import DecodeWorkspace
 
         state = DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device)
         state.extras[_WORKSPACE] = DecodeWorkspace.allocate(max_batch_size, num_heads, head_size, device=device)

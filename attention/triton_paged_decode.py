@@ -15,7 +15,7 @@ its (sequence, kv head): the split that arrives last merges the group's partials
 sets the counter back to zero for the next launch. Only the splits whose slice holds keys at the live
 length take part (a graph captured for long contexts runs short sequences with most slices empty); a
 lone live split writes ``out`` directly. One kernel per attention call, not a split kernel and
-a reduce kernel: at batch 1 the reduce launch was a fifth of a decoder layer's attention time.
+a reduce kernel: at batch 1 a separate reduce launch costs a large share of a layer's attention time.
 
 CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` and the K/V tile chosen on the host
 from the batch size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the
@@ -44,34 +44,33 @@ MIN_TOKENS_PER_SPLIT = 128
 #: K/V tile and fewest tokens a split where 128-token slices split the captured context (the graph's
 #: ``max_seq_len``, under 640 tokens) at most 4 ways and their programs fill at most half the SMs
 #: (batch 1 of an engine captured for 513 tokens): each program's chain of dependent
-#: loads, not bandwidth, sets the time, and shorter slices shorten it. Timed inside the captured step on
-#: the H200 (profiles/bench_step_attention.py, results/step_attention_h200.json), batch 1, context 512,
-#: 8 splits of 64-token tiles against 4 of 128, alternating rounds: SmolLM2-135M 0.420 -> 0.413 ms,
-#: Llama-3.2-1B 0.813 -> 0.790, Llama-3-8B 4.107 against 4.144 (its best, 16 splits of 32 tokens, 4.102).
-#: At batch 8 (96-256 programs) the same rule was neutral (1B 1.154 both, 8B 4.981 against 4.980) or
-#: slower (SmolLM2 0.916 against 0.910; results/short_context_rule_h200.json), hence the half-the-SMs bound.
+#: loads, not bandwidth, sets the time, and shorter slices shorten it. Timed inside the captured step
+#: at batch 1, context 512: twice the splits of 64-token tiles ran
+#: SmolLM2-135M's and Llama-3.2-1B's steps faster, Llama-3-8B's about alike; at batch 8 the same rule
+#: was neutral or slower, hence the half-the-SMs bound. The measurements are in profiles/notes_paged_decode.md.
 SHORT_CONTEXT_TILE = 64
 #: Programs an SM holds with ``SHORT_CONTEXT_TILE``-token tiles, 4 warps, a 16-bit cache and head size 128
-#: (ptxas, sm_90: 96 registers a thread against 128 with 128-token tiles, 39 KB of shared memory against
-#: 74 KB): 5, where 128-token tiles fit 3. Used where unsplit programs overflow one wave of 128-token
-#: tiles but fit one of 64-token tiles (``choose_launch``): Llama-3-8B at batch 64, context 512, 512
-#: programs against 396 resident, timed inside the step on the H200 (profiles/bench_step_attention.py,
-#: results/step_attention_8b_b64_b8_h200.json, alternating rounds): 6.099 -> 5.940 ms.
-#: Not with a sliding window (its kernel takes 111 registers: 4 programs an SM) and only for captured
+#: (the compiled sm_90 kernel takes fewer registers a thread and about half the shared memory of the
+#: 128-token one): 5, where 128-token tiles fit 3. Used where unsplit programs overflow one wave of
+#: 128-token tiles but fit one of 64-token tiles (``choose_launch``), as for Llama-3-8B at batch 64,
+#: context 512 (512 programs against 396 resident), which ran faster so inside the captured step
+#: (measurements in profiles/notes_paged_decode.md).
+#: Not with a sliding window (that kernel takes more registers: 4 programs an SM) and only for captured
 #: contexts under ``_ONE_WAVE_CONTEXT_BOUND`` (where one split is the heuristic's choice for such batches;
 #: measured at 513). ``resident_programs`` keeps its own estimate (3) for the short-context rule.
 _SHORT_TILE_PROGRAMS_PER_SM = {(2, 128): 5}
 _ONE_WAVE_CONTEXT_BOUND = 1024
-#: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (H200, d=128:
-#: 64 KiB tiles ran at 3.46 TB/s where 32 KiB ran at 3.20).
+#: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (at d=128, 64 KiB
+#: tiles streamed faster than 32 KiB ones: profiles/notes_paged_decode.md).
 TILE_BYTES = 64 * 1024
-#: Shared memory a program needs beyond its K/V tile (compiled for sm_90 by triton 3.9: 74,240 B for a
-#: 64 KiB tile). Triton keeps one tile in shared memory (no multi-buffering of these gathered loads).
+#: Shared memory a program needs beyond its K/V tile (what the kernel Triton compiles for sm_90 takes
+#: over a 64 KiB tile, rounded up). Triton keeps one tile in shared memory (no multi-buffering of these
+#: gathered loads).
 _SMEM_OVERHEAD = 9 * 1024
-#: Programs of 4 warps per SM at most, from the registers ptxas reports (sm_90), by cache element size:
-#: 16-bit caches use ~128 registers a thread at head size 128 (3 programs fit beside the shared memory
-#: limit) and 86-104 at head size 64 (4 fit: profiles/results/decode_splits_h200.json measured the
-#: 1B's shapes fastest with the split counts 4 programs an SM give); fp8 caches ~255 (2 programs).
+#: Programs of 4 warps per SM at most, from the registers the compiled sm_90 kernel takes a thread, by
+#: cache element size: 16-bit caches fit 3 at head size 128 (beside the shared memory limit) and 4 at
+#: head size 64 (the split counts 4 programs an SM give measured fastest for the 1B's shapes:
+#: profiles/notes_paged_decode.md); fp8 caches, whose kernel takes the most registers, fit 2.
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
@@ -118,8 +117,8 @@ def default_config(head_size: int, cache_element_size: int, device: torch.device
     block_n = max(16, min(128, TILE_BYTES // _bytes_per_token(head_size, cache_element_size)))
     while block_n > 16 and _program_shared_memory(block_n, head_size, cache_element_size) > smem:
         block_n //= 2
-    # Stages 3 and 2 measured alike, 1 was 20 % slower: the loads run a tile ahead in registers, but
-    # these gathered loads are never multi-buffered in shared memory.
+    # Stages 3 and 2 measured alike and 1 slower (profiles/notes_paged_decode.md): the loads run a tile
+    # ahead in registers, but these gathered loads are never multi-buffered in shared memory.
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
 
 
@@ -147,13 +146,14 @@ def choose_num_splits(
     """Splits per (sequence, kv head), from host values only (safe to call before capture).
 
     ``resident``: programs the device runs at once (``resident_programs``); ``base = batch *
-    num_kv_heads`` programs exist without splitting. Measured on the H200 (d = 128, bf16):
+    num_kv_heads`` programs exist without splitting. Rules measured at d = 128, bf16
+    (profiles/notes_paged_decode.md):
 
     * ``base <= resident``: split so that one wave holds as many programs as fit, ``resident // base``;
-      all run at once (256 or 384 programs beat 512, a wave and a third, by 10-15 %).
+      all run at once (a full wave beat a wave and a third).
     * ``resident < base < 2.5 * resident``: pick 1-4 splits for the fullest last wave, each split
-      keeping at least 4 x ``MIN_TOKENS_PER_SPLIT`` tokens (at 512 tokens, 3 splits ran 2.58 TB/s,
-      none 2.89).
+      keeping at least 4 x ``MIN_TOKENS_PER_SPLIT`` tokens (a 512-token context ran faster unsplit than
+      in 3 splits).
     * larger: no split (the last wave's loss is small; a split costs its partials and the merge).
 
     No split gets fewer than ``min_tokens_per_split`` tokens of the captured (window-limited) context.
@@ -200,7 +200,7 @@ def choose_launch(
     captured context of 513 tokens that was measured faster in the batch-1 step: see
     ``SHORT_CONTEXT_TILE``). Graphs captured for long contexts keep 128-token tiles whatever the live
     lengths, as the split count follows the captured context too. And where one split a (sequence, kv
-    head) makes more programs than one wave of today's tiles holds but one wave of ``SHORT_CONTEXT_TILE``
+    head) makes more programs than one wave of ``config``'s tiles holds but one wave of ``SHORT_CONTEXT_TILE``
     tiles would (``_SHORT_TILE_PROGRAMS_PER_SM``: head size 128, 16-bit caches, 4 warps, no window,
     captured contexts under 1024 tokens; shared memory permitting), those shorter tiles."""
     sms, smem = _device_limits(device)
@@ -211,7 +211,7 @@ def choose_launch(
     if (not tile_given and short_per_sm is not None and config.block_n > SHORT_CONTEXT_TILE
             and config.num_warps == 4 and splits == 1 and sliding_window is None
             and max_seq_len < _ONE_WAVE_CONTEXT_BOUND):
-        # Unsplit programs that overflow one wave of today's tiles but fit one wave of shorter ones.
+        # Unsplit programs that overflow one wave of config's tiles but fit one wave of shorter ones.
         by_smem = smem // _program_shared_memory(SHORT_CONTEXT_TILE, head_size, cache_element_size)
         if resident < programs <= sms * min(short_per_sm, by_smem):
             return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
@@ -486,11 +486,11 @@ def _merge_splits(
 
 
 #: Partial-output elements the merge loads at once (64 float32 a thread at 4 warps). The merge shares
-#: the kernel's register allocation: at head size 64, 32+ splits (or a group of 8 with 8+) take the
-#: split kernel from 86 to 128-168 registers (ptxas, sm_90), below the 4 programs an SM that
-#: ``resident_programs`` assumes there; 2048 keeps 86 but merges 32 splits in four passes, not one.
-#: Not changed until measured: the measured points (batch 1 and 8, batch 64 unsplit) are unaffected
-#: or are the 1B's batch 1 at context 4096, which merges 32 splits in one pass with this tile.
+#: the kernel's register allocation: at head size 64, 32+ splits (or a group of 8 with 8+) raise the
+#: split kernel's registers past the 4 programs an SM that ``resident_programs`` assumes there; a
+#: quarter of this tile would not, but merges 32 splits in four passes, not one. Kept until measured
+#: otherwise: the measured points (batch 1 and 8, batch 64 unsplit) are unaffected or are the 1B's
+#: batch 1 at context 4096, which merges 32 splits in one pass with this tile.
 _MERGE_TILE_ELEMENTS = 8192
 
 
@@ -527,7 +527,7 @@ def paged_decode_attention(
     ``workspace`` is needed when more than one split is used; pass one from ``DecodeWorkspace.allocate``
     (mandatory inside CUDA-graph capture: this function then allocates nothing). ``num_splits`` and
     ``config`` override the host heuristics (tests, tuning); ``fp8_dot_f16=True`` runs an fp8 cache's
-    products in fp16 instead of the query dtype (13 % faster on the H200; see the profiling notes).
+    products in fp16 instead of the query dtype (measured faster: profiles/notes_paged_decode.md).
     ``dependent_launch``: launch the kernel as a programmatic dependent of the kernel before it (see
     ``graphrt.kernels.dependent_launch``).
     """

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import SUPPORTED_HEAD_SIZES
+from graphrt.attention.backend import SUPPORTED_HEAD_SIZES
 
 _LOG2E = 1.4426950408889634
 

@@ -27,11 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.attention.triton_cache_write import _round_to_e4m3_grid
 from graphrt.kernels import gemv
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.rounding import round_to
-
-from .triton_cache_write import _round_to_e4m3_grid
 
 
 @triton.jit
@@ -160,7 +159,7 @@ def _qkv_rope_cache_kernel(
     x_row = x_ptr + token.to(tl.int64) * stride_x
     # The position, its rotary rows and the slot come from the host's upload, which no kernel of the
     # step writes: loaded before row_products waits for the previous kernel (see dependent_launch), so
-    # these two dependent loads no longer follow the products.
+    # these two dependent loads do not follow the products.
     position = tl.load(positions_ptr + token)
     cos = round_to(tl.load(cos_ptr + position * stride_table_row + channel), dtype).to(tl.float32)
     sin = round_to(tl.load(sin_ptr + position * stride_table_row + channel), dtype).to(tl.float32)

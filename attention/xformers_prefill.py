@@ -10,16 +10,14 @@ All prompts of a step run in one xFormers call:
   ``LowerTriangularMaskWithTensorBias``; one bias ``[H, L, L]`` holding ``slope * (k - q)`` (and -inf
   outside a window) serves every prompt (stride 0 over B), since positions restart at 0 in each row.
   ``L`` is the longest prompt rounded up to 64, and K/V are repeated to all H heads while they are
-  scattered (the same one copy), so cutlass runs once over ``[B, L, H, D]``. Seen once on the H200:
-  the BMGHK form (stride-0 K/V, which xFormers' cutlass path runs as one launch per KV head on its
-  own stream) hit an illegal memory access inside the test suite with a 257-token longest prompt
-  (cf. pytorch/pytorch#191937 on that kernel, stride-0 K/V and key lengths ≡ 1 mod 32); the same
-  call alone under CUDA_LAUNCH_BLOCKING=1 ran clean, so the cause is unproven, and this plainest
-  layout has run clean since. Padding costs ``B * L^2`` attention work instead of ``sum(len^2)``; the
-  bias costs ``H * L^2`` elements of the query's dtype, so ALiBi prefill of very long prompts is
-  bounded by memory (the seed's per-prompt loop has the same bound). On the H200
-  (profiles/results/prefill_h200.json) this one call took 1.14 ms where a loop of one call per
-  prompt took 3.7-5.3 ms.
+  scattered (the same one copy), so cutlass runs once over ``[B, L, H, D]``. Not the BMGHK form
+  (stride-0 K/V, which xFormers' cutlass path runs as one launch per KV head on its own stream): it
+  hit an illegal memory access inside the test suite (cf. pytorch/pytorch#191937 on that kernel,
+  stride-0 K/V and key lengths ≡ 1 mod 32) that the same call alone did not repeat, so the cause is
+  unproven, and this plainest layout has run clean. Padding costs ``B * L^2`` attention work instead
+  of ``sum(len^2)``; the bias costs ``H * L^2`` elements of the query's dtype, so ALiBi prefill of very
+  long prompts is bounded by memory (as a loop of one call per prompt would be). One call for every
+  prompt was measured faster than such a loop (profiles/notes_paged_decode.md, prefill).
 
 GQA/MQA (packed path): query ``[T, H, D]`` is viewed as ``[1, T, KVH, H/KVH, D]`` (xFormers' BMGHK)
 and key/value ``[T, KVH, D]`` are expanded to that shape with stride 0, never materialised.
@@ -34,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .xformers_compat import xformers_status
+from graphrt.attention.xformers_compat import xformers_status
 
 
 def _fmha():

@@ -1,20 +1,25 @@
 """CUDA-graph capture of the decode step: batch-size buckets, the decode batch an engine hands over,
-and the graph runner (warm-up, capture, replay, eager fallback, stats)."""
+the static token inputs, and the graph runner (plan, prepare, replay or eager fallback; warm-up,
+capture, the runtime oracle, stats)."""
 
-from .buckets import choose_bucket, default_capture_sizes
-from .decode_batch import DecodeBatch
-from .graph_check import GraphCheck, GraphCheckFailure
-from .graph_runner import SAMPLING_MODES, DecodeGraphRunner
-from .pending import PendingTokens
-from .stats import DecodeStats, EagerReason
+from graphrt.capture.buckets import choose_bucket, default_capture_sizes
+from graphrt.capture.decode_batch import DecodeBatch
+from graphrt.capture.decode_inputs import DecodeInputs
+from graphrt.capture.graph_check import GraphCheck, GraphCheckFailure
+from graphrt.capture.graph_runner import SAMPLING_MODES, DecodeGraphRunner, DecodePlan, GraphKey
+from graphrt.capture.pending import PendingTokens
+from graphrt.capture.stats import DecodeStats, EagerReason
 
 __all__ = [
     "DecodeBatch",
     "DecodeGraphRunner",
+    "DecodeInputs",
+    "DecodePlan",
     "DecodeStats",
     "EagerReason",
     "GraphCheck",
     "GraphCheckFailure",
+    "GraphKey",
     "PendingTokens",
     "SAMPLING_MODES",
     "choose_bucket",

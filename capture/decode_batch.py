@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling.params import SamplingParams
 
 
 @dataclass
@@ -58,7 +58,7 @@ class DecodeBatch:
         """The graph this batch replays: ``logprobs`` when some row asks for logprobs (the general
         sampling path, then each row's log probabilities), else ``greedy`` (every row), ``temperature``
         (some row samples, none uses top-k or top-p) or ``sample`` (the general path, which filters
-        top-k / top-p rows: with the fused kernels by a threshold search, ``graphrt.kernels.top_k_top_p``,
+        top-k / top-p rows: with the fused kernels by a threshold search, ``graphrt.sampling.top_k_top_p``,
         else by sorting the vocabulary). Every mode gives a row the same token."""
         if any(p.logprobs is not None for p in self.params):
             return "logprobs"

@@ -1,14 +1,18 @@
-"""The decode graph runner: one CUDA graph per (padded batch size, sampling mode), captured once;
-every dynamic field lives in static tensors refreshed in place before each replay.
+"""The decode graph runner: one CUDA graph per ``GraphKey`` (padded batch size, sampling mode),
+captured once; every dynamic field lives in static tensors refreshed in place before each replay.
 
 A replay runs the whole decode step: embedding, every layer (attention reads the paged cache),
 float32 logits, sampling and, in the graphs of steps where a row asks, log probabilities. The only
 device-to-host copies per step are the sampled token ids (and those log probabilities).
 
-Rules kept (DESIGN.md §4): static tensors allocated once at the largest bucket; nothing allocated,
-synced or shaped by host data inside capture; padding rows inert (slot -1, length 1, null block);
-largest bucket captured first into one shared pool after side-stream warm-up; oversize batches,
-over-long contexts, ``enforce_eager`` and failed captures run eagerly and are counted in ``stats``.
+A step is decided once, by ``DecodeGraphRunner.plan``: the graph key, and whether it replays or why it
+runs eagerly; then the static buffers are prepared, then the graph replays (or the same forward runs
+eagerly on the same buffers).
+
+Rules kept: static tensors allocated once at the largest bucket; nothing allocated, synced or shaped
+by host data inside capture; padding rows inert (slot -1, length 1, null block); largest bucket
+captured first into one shared pool after side-stream warm-up; oversize batches, over-long contexts,
+``enforce_eager`` and failed captures run eagerly and are counted in ``stats``.
 """
 
 from __future__ import annotations
@@ -17,32 +21,34 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
-from graphrt import nvtx
 from graphrt.attention import AttentionBackend, AttentionMetadata
 from graphrt.attention.metadata import pinned_to_device
-from graphrt.config import is_count
-from graphrt.logprobs import token_logprobs
-from graphrt.sampler import SamplingTensors, sample
-
-from .buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
-from .decode_batch import DecodeBatch
-from .graph_check import GraphCheck, GraphCheckFailure, static_tensors
-from .pending import HostBuffers, PendingTokens
-from .static_sampling import StaticSampling
-from .stats import DecodeStats, EagerReason
+from graphrt.base import nvtx
+from graphrt.base.checks import is_count
+from graphrt.capture.buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
+from graphrt.capture.decode_batch import DecodeBatch
+from graphrt.capture.decode_inputs import DecodeInputs
+from graphrt.capture.graph_check import GraphCheck, GraphCheckFailure, static_tensors
+from graphrt.capture.pending import HostBuffers, PendingTokens
+from graphrt.capture.static_sampling import StaticSampling
+from graphrt.capture.stats import DecodeStats, EagerReason
+from graphrt.sampling.logprobs import token_logprobs
+from graphrt.sampling.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 
 #: Graphs are captured per sampling mode (``DecodeBatch.sampling_mode``): "greedy" is a bare argmax;
 #: "temperature" samples without top-k / top-p (greedy rows mixed in), with fused kernels in two short
 #: passes over the logits; "sample" adds the general path for top-k / top-p rows, which with fused kernels finds each row's
-#: filter boundary by a threshold search (``graphrt.kernels.top_k_top_p``) and otherwise sorts the vocabulary;
+#: filter boundary by a threshold search (``graphrt.sampling.top_k_top_p``) and otherwise sorts the vocabulary;
 #: "logprobs" samples as "sample" does (which gives every row the token the other modes would) and adds
-#: each row's log probabilities (``graphrt.logprobs``), for steps where some row asks.
+#: each row's log probabilities (``graphrt.sampling.logprobs``), for steps where some row asks.
 SAMPLING_MODES = ("greedy", "temperature", "sample", "logprobs")
 
 #: Default of the most top tokens a row's logprobs may list (the width of the static logprob buffers).
@@ -61,23 +67,52 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _capture_streams[index]
 
 
-def _sample_into_unfused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(sample(logits, sampling))
+class GraphKey(NamedTuple):
+    """What one captured decode graph is specialised on."""
+
+    #: Rows the graph runs: a batch is padded up to the smallest captured size that holds it.
+    padded_batch: int
+    #: One of ``SAMPLING_MODES``: which sampling work the graph holds (``DecodeBatch.sampling_mode``).
+    sampling_mode: str
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode step runs, as ``DecodeGraphRunner.plan`` decided it."""
+
+    #: Real rows of the batch.
+    rows: int
+    #: The shape and sampling variant the step runs: the graph it replays, or the padded shape an
+    #: eager step runs on the static buffers (the batch's own size where there is no graph to match).
+    key: GraphKey
+    #: None: replay the graph captured for ``key``; otherwise why the step runs eagerly (``EagerReason``).
+    eager_reason: str | None
+    #: Whether the step runs on the static buffers; False for a batch they cannot hold (eager only, on
+    #: tensors made for the step).
+    static_buffers: bool
+    #: Longest context attention is launched for, in eager steps: the batch's own longest row where no
+    #: graph is matched; None = the captured maximum, as the graphs run.
+    attention_bound: int | None = None
+
+    @property
+    def replays(self) -> bool:
+        return self.eager_reason is None
 
 
 class DecodeGraphRunner:
     """Decode for a model over a paged KV cache, through CUDA graphs where it can.
 
     Embeddable: a serving engine that owns its scheduler and block tables builds one over its model
-    and caches, calls ``capture()`` once, then ``decode(DecodeBatch)`` each step.
+    and caches, calls ``capture()`` once, then ``decode(DecodeBatch)`` (or ``launch``) each step.
 
     model: a ``graphrt.models.llama.LlamaForCausalLM`` (``forward(ids, positions, kv_caches,
-    metadata)`` and ``compute_logits``, float32 logits); kv_caches: one tensor per layer in ``backend``'s
-    layout; max_seq_len: the captured maximum context (rows longer than it run eagerly); max_logprobs: the
-    most top tokens a row's ``SamplingParams.logprobs`` may ask for (0: no logprob graphs, and batches
-    that ask are refused); check_graphs: N >= 1 turns on the runtime oracle (``graph_check``), which
-    checks every N-th replay against an eager run, 0 leaves it off. ``close()`` releases the graphs and
-    static buffers.
+    metadata)``, ``compute_logits`` with float32 logits, and its ``kernel_policy``, whose ``sample``
+    chooses the tokens); kv_caches: one tensor per layer in ``backend``'s layout; max_seq_len: the
+    captured maximum context (rows longer than it run eagerly); max_logprobs: the most top tokens a
+    row's ``SamplingParams.logprobs`` may ask for (0: no logprob graphs, and batches that ask are
+    refused); check_graphs: N >= 1 turns on the runtime oracle (``graph_check``), which checks every
+    N-th replay against an eager run, 0 leaves it off. ``close()`` releases the graphs and static
+    buffers.
     """
 
     def __init__(
@@ -106,7 +141,7 @@ class DecodeGraphRunner:
         self.capture_sizes = validate_capture_sizes(capture_sizes or default_capture_sizes(max_batch_size))
         self.max_batch_size = self.capture_sizes[-1]
         self.stats = DecodeStats()
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.max_logprobs = int(max_logprobs)
         self.check_graphs = int(check_graphs)
         #: The runtime oracle, made when the graphs are captured with ``check_graphs`` on.
@@ -121,24 +156,24 @@ class DecodeGraphRunner:
 
         bs = self.max_batch_size
         config = model.config
+        #: The attention metadata the graphs read (the backend's), and the token inputs (the runner's).
         self.graph_state = backend.init_graph_state(
             bs, max_seq_len, block_size, self.device, num_heads=config.num_attention_heads, head_size=config.head_dim
         )
-        # [B] int64 each, refreshed with the rest of the graph state in one copy.
-        self.input_ids, self.positions = self.graph_state.input_ids, self.graph_state.positions
+        self.inputs = DecodeInputs(bs, self.device)
         self._static_sampling = StaticSampling(bs, self.device)
         self.sampling = self._static_sampling.tensors
-        #: [B] int64: where a step's sampled tokens land. The same memory as ``input_ids``, so after a
-        #: step each row's input is already the token it sampled: a pipelined step (``launch`` with
-        #: ``carry_input_ids``) feeds them back without knowing them on the host.
-        self.next_tokens = self.input_ids
-        #: Rows of ``input_ids`` holding the last launch's sampled tokens (0: that launch did not run
+        #: [B] int64: where a step's sampled tokens land. The same memory as ``inputs.input_ids``, so
+        #: after a step each row's input is already the token it sampled: a pipelined step (``launch``
+        #: with ``carry_input_ids``) feeds them back without knowing them on the host.
+        self.next_tokens = self.inputs.input_ids
+        #: Rows of the static inputs holding the last launch's sampled tokens (0: that launch did not run
         #: through the static buffers, or none ran).
         self._carried_rows = 0
         #: Top tokens the logprob graphs list per row (the request's own count is cut on the host).
         self.num_top_logprobs = min(max_logprobs, config.vocab_size)
         width = 1 + self.num_top_logprobs
-        #: [B, 1 + K] float32 and int64: a logprob step's packed results (``graphrt.logprobs.token_logprobs``).
+        #: [B, 1 + K] float32 and int64: a logprob step's packed results (``graphrt.sampling.logprobs.token_logprobs``).
         self.logprob_values = torch.zeros(bs, width, dtype=torch.float32, device=self.device)
         self.logprob_ids = torch.zeros(bs, width, dtype=torch.int64, device=self.device)
         #: Pinned host buffers the results are copied into, used in turn: two launches may be in flight
@@ -147,13 +182,8 @@ class DecodeGraphRunner:
         self._next_host_buffers = 0
         keep_logits = return_logits or check_graphs > 0  # the oracle compares the replay's logits
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if keep_logits else None
-        #: Token choice: the fused kernels' ``sample_fused`` when the model runs fused kernels, else
-        #: ``graphrt.sampler.sample``; both (logits, sampling, out) -> out.
-        self._sample_into = _sample_into_unfused
-        if getattr(model, "fused_kernels", False):
-            from graphrt.kernels.sampling import sample_fused
-
-            self._sample_into = sample_fused
+        #: (logits, sampling, out) -> out: the model's token choice (fused kernels or the sorting sampler).
+        self._sample_into = model.kernel_policy.sample
 
     @property
     def max_seq_len(self) -> int:
@@ -162,6 +192,12 @@ class DecodeGraphRunner:
     @property
     def uses_graphs(self) -> bool:
         return self.eager_reason is None
+
+    @property
+    def captured_modes(self) -> tuple[str, ...]:
+        """The sampling modes graphs are captured for: all of ``SAMPLING_MODES``, "logprobs" only when
+        rows may ask for logprobs (``max_logprobs`` > 0)."""
+        return SAMPLING_MODES if self.max_logprobs else tuple(m for m in SAMPLING_MODES if m != "logprobs")
 
     # -- capture -----------------------------------------------------------------------------------
 
@@ -175,9 +211,10 @@ class DecodeGraphRunner:
             return self.stats
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        self.graph_state.refresh([], [], [], self.max_batch_size)  # every row inert while capturing
-        modes = self.captured_modes
-        keys = [(size, mode) for size in reversed(self.capture_sizes) for mode in modes]
+        # Every row inert while capturing.
+        self.backend.refresh_graph_state(self.graph_state, [], [], [], self.max_batch_size)
+        self.inputs.refresh([], [], self.max_batch_size)
+        keys = [GraphKey(size, mode) for size in reversed(self.capture_sizes) for mode in self.captured_modes]
         try:
             with torch.inference_mode():
                 side = _capture_stream(self.device)
@@ -189,18 +226,19 @@ class DecodeGraphRunner:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.cuda.stream(side):
-                        for size, mode in keys[:len(modes)] + keys:  # the largest bucket twice
-                            self._forward(size, mode)
+                        largest = keys[:len(self.captured_modes)]
+                        for key in largest + keys:  # the largest bucket twice
+                            self._forward(key)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 pool = torch.cuda.graph_pool_handle()
-                for size, mode in tqdm(keys, desc="capturing decode graphs", unit="graph",
-                                       disable=not progress, leave=False):
+                for key in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=not progress,
+                                leave=False):
                     graph = torch.cuda.CUDAGraph()
-                    with nvtx.capture(size), torch.cuda.graph(graph, pool=pool):
-                        self._forward(size, mode)
-                    self.graphs[(size, mode)] = graph
+                    with nvtx.capture(key.padded_batch), torch.cuda.graph(graph, pool=pool):
+                        self._forward(key)
+                    self.graphs[key] = graph
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # any capture problem: run eagerly rather than crash
             self.graphs.clear()
@@ -223,13 +261,38 @@ class DecodeGraphRunner:
         logger.info(summary)
         return self.stats
 
-    # -- decode ------------------------------------------------------------------------------------
+    # -- the one dispatch --------------------------------------------------------------------------
 
-    @property
-    def captured_modes(self) -> tuple[str, ...]:
-        """The sampling modes graphs are captured for: all of ``SAMPLING_MODES``, "logprobs" only when
-        rows may ask for logprobs (``max_logprobs`` > 0)."""
-        return SAMPLING_MODES if self.max_logprobs else tuple(m for m in SAMPLING_MODES if m != "logprobs")
+    def plan(self, batch: DecodeBatch) -> DecodePlan:
+        """How ``batch`` decodes: the graph key it replays, or why it runs eagerly and on what shape.
+        Every step's choice is made here, once."""
+        return self._plan(len(batch), max(batch.seq_lens, default=0), batch.sampling_mode)
+
+    def _plan(self, rows: int, longest: int, mode: str) -> DecodePlan:
+        fits = rows <= self.max_batch_size and longest <= self.max_seq_len
+        if not fits:
+            reason = self.eager_reason or (EagerReason.BATCH_TOO_LARGE if rows > self.max_batch_size
+                                           else EagerReason.CONTEXT_TOO_LONG)
+            return DecodePlan(rows, GraphKey(rows, mode), reason, static_buffers=False, attention_bound=longest)
+        if self.eager_reason is not None:  # no graphs at all: no padding, attention bounded by this batch
+            return DecodePlan(rows, GraphKey(rows, mode), self.eager_reason, True, attention_bound=longest)
+        key = GraphKey(choose_bucket(self.capture_sizes, rows), mode)
+        if self.graph_check is not None and key.padded_batch in self.graph_check.failed_buckets:
+            # The step its graph would run (same bucket, captured bound), so its tokens are the ones
+            # the checked replays agreed with.
+            return DecodePlan(rows, key, EagerReason.GRAPH_CHECK_FAILED, True)
+        return DecodePlan(rows, key, None, True)
+
+    def can_carry(self, carry_rows: Sequence[int], longest_seq_len: int) -> bool:
+        """Whether ``launch(batch, carry_rows=carry_rows)`` can run for a batch of ``len(carry_rows)``
+        rows whose longest holds ``longest_seq_len`` keys: the previous launch left the sampled tokens of
+        those rows in the static buffers (it ran through them, with more rows than the largest named),
+        and the new batch runs through them too."""
+        rows = len(carry_rows)
+        return (all(0 <= row < self._carried_rows for row in carry_rows)
+                and self._plan(rows, longest_seq_len, "greedy").static_buffers)
+
+    # -- decode ------------------------------------------------------------------------------------
 
     def decode(self, batch: DecodeBatch) -> list[int]:
         """Sample one token per row; returns them as host ints (the step's only device-to-host copy).
@@ -239,9 +302,10 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def launch(self, batch: DecodeBatch, carry_input_ids: bool = False,
                carry_rows: Sequence[int] | None = None) -> PendingTokens:
-        """Queue one decode step of ``batch`` (refresh, replay or eager forward, the copy of its tokens
-        to pinned host memory) without waiting for it; its tokens come from the returned ``result()``,
-        the rows' log probabilities (rows whose params set ``logprobs``) from its ``logprobs()``.
+        """Queue one decode step of ``batch`` (plan, prepare, replay or eager forward, the copy of its
+        tokens to pinned host memory) without waiting for it; its tokens come from the returned
+        ``result()``, the rows' log probabilities (rows whose params set ``logprobs``) from its
+        ``logprobs()``.
 
         ``carry_input_ids``: every row's input is the token the same row sampled in the previous launch,
         which is still on the device (``batch.input_ids`` is ignored): the next step can be queued
@@ -250,7 +314,7 @@ class DecodeGraphRunner:
         launch's row ``carry_rows[i]`` sampled, for a batch that dropped rows (sequences that finished);
         a gather of the ids, on the device, before the replay. Needs the previous launch to have run
         through the static buffers with the rows named (the first ``len(batch)`` without ``carry_rows``),
-        and ``batch`` to fit them (``fits_static_buffers``); ValueError otherwise, with nothing queued.
+        and ``batch`` to run through them too (``can_carry``); ValueError otherwise, with nothing queued.
         A row asking for more top logprobs than ``max_logprobs`` is a ValueError too.
 
         Two launches may await ``result()`` at once; a third first reads the tokens of the oldest (waits
@@ -263,6 +327,23 @@ class DecodeGraphRunner:
         if asked and (max(asked) > self.max_logprobs or not self.max_logprobs):
             raise ValueError(f"a row asks for {max(asked)} top logprobs; this runner lists at most "
                              f"{self.max_logprobs} (max_logprobs; 0 = no logprobs)")
+        plan = self.plan(batch)
+        carry_input_ids, carry_rows = self._check_carry(batch, plan, carry_input_ids, carry_rows)
+        buffers = self._host_buffers[self._next_host_buffers]
+        if buffers.holder is not None:
+            buffers.holder.result()  # read before its buffers are reused (at once unless two launches are unread)
+        if not len(batch):
+            return PendingTokens.empty()
+        tokens, logprobs = self._run(batch, plan, carry_input_ids, carry_rows)
+        num_tops = [p.logprobs for p in batch.params] if logprobs is not None else ()
+        pending = PendingTokens.copy_to_host(tokens, buffers, logprobs, num_tops)
+        buffers.holder = pending
+        self._next_host_buffers = 1 - self._next_host_buffers
+        return pending
+
+    def _check_carry(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool,
+                     carry_rows: Sequence[int] | None) -> tuple[bool, list[int] | None]:
+        """Validate a carrying launch; returns (carry_input_ids, the rows to gather or None)."""
         if carry_rows is not None:
             carry_rows = list(carry_rows)
             if len(carry_rows) != len(batch):
@@ -277,107 +358,110 @@ class DecodeGraphRunner:
         elif carry_input_ids and len(batch) > self._carried_rows:
             raise ValueError(f"cannot carry the input ids of {len(batch)} rows: the previous launch left "
                              f"{self._carried_rows} sampled rows in the static buffers")
-        if carry_input_ids:
-            if not self.fits_static_buffers(batch):
-                raise ValueError("a batch that carries its input ids must fit the static buffers "
-                                 f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
-        buffers = self._host_buffers[self._next_host_buffers]
-        if buffers.holder is not None:
-            buffers.holder.result()  # read before its buffers are reused (at once unless two launches are unread)
-        if not len(batch):
-            return PendingTokens.empty()
-        tokens, logprobs = self._run(batch, carry_input_ids, carry_rows)
-        num_tops = [p.logprobs for p in batch.params] if logprobs is not None else ()
-        pending = PendingTokens.copy_to_host(tokens, buffers, logprobs, num_tops)
-        buffers.holder = pending
-        self._next_host_buffers = 1 - self._next_host_buffers
-        return pending
+        if carry_input_ids and not plan.static_buffers:
+            raise ValueError("a batch that carries its input ids must fit the static buffers "
+                             f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
+        return carry_input_ids, carry_rows
 
-    def _run(self, batch: DecodeBatch, carry_input_ids: bool,
-             carry_rows: list[int] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Queue the step's work; returns the [len(batch)] int64 device tensor its tokens land in and,
-        for a logprob step, the (values, ids) tensors its rows' logprobs land in."""
-        reason = self._eager_reason_for(batch)
-        if reason is not None:
-            self.stats.eager_steps[reason] += 1
-            with nvtx.decode_eager(len(batch), reason):
-                if not self.fits_static_buffers(batch):
-                    self._carried_rows = 0
-                    return self._decode_unbuffered(batch)
-                if reason == EagerReason.GRAPH_CHECK_FAILED:  # the step its graph would run: same bucket and bound
-                    return self._decode_static(batch, choose_bucket(self.capture_sizes, len(batch)), replay=False,
-                                               carry_input_ids=carry_input_ids, carry_rows=carry_rows)
-                # No graph to match: bound attention by this batch's longest row, not the captured maximum.
-                return self._decode_static(batch, len(batch), replay=False, carry_input_ids=carry_input_ids,
-                                           carry_rows=carry_rows, max_seq_len=max(batch.seq_lens))
-        padded = choose_bucket(self.capture_sizes, len(batch))
-        self.stats.replays_per_bucket[padded] += 1
-        self.stats.padded_rows += padded - len(batch)
-        return self._decode_static(batch, padded, replay=True, carry_input_ids=carry_input_ids,
-                                   carry_rows=carry_rows)
+    def _run(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool, carry_rows: list[int] | None
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Queue the planned step; returns the [rows] int64 device tensor its tokens land in and, for a
+        logprob step, the (values, ids) tensors its rows' logprobs land in."""
+        if plan.replays:
+            self.stats.replays_per_bucket[plan.key.padded_batch] += 1
+            self.stats.padded_rows += plan.key.padded_batch - plan.rows
+            self.prepare(batch, plan, carry_input_ids, carry_rows)
+            self.replay(plan)
+            return self._outputs(plan)
+        self.stats.eager_steps[plan.eager_reason] += 1
+        with nvtx.decode_eager(plan.rows, plan.eager_reason):
+            if not plan.static_buffers:
+                self._carried_rows = 0
+                return self._decode_unbuffered(batch)
+            self.prepare(batch, plan, carry_input_ids, carry_rows)
+            self._forward(plan.key, plan.attention_bound)
+            return self._outputs(plan)
+
+    def prepare(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool = False,
+                carry_rows: list[int] | None = None) -> None:
+        """Write ``batch`` into the static buffers, rows padded to ``plan.key``: the backend's attention
+        metadata, the token inputs (left on the device with ``carry_input_ids``; gathered from
+        ``carry_rows`` of the previous launch when given) and, unless greedy, the sampling rows."""
+        padded = plan.key.padded_batch
+        with nvtx.decode_prepare():
+            self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables,
+                                             batch.slot_mapping, padded, batch.block_table_versions)
+            self.inputs.refresh(batch.input_ids, batch.positions, padded, keep_input_ids=carry_input_ids,
+                                carry_rows=carry_rows)
+            if plan.key.sampling_mode != "greedy":  # greedy graphs never read the sampling rows
+                self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
+            if carry_rows is not None:
+                # Row i takes the token row carry_rows[i] sampled: gathered into a new tensor first,
+                # since the rows read and the rows written share input_ids.
+                ids = self.inputs.input_ids
+                ids[: plan.rows].copy_(ids.index_select(0, self.inputs.carry_rows[: plan.rows]))
+        self._carried_rows = plan.rows
+
+    def replay(self, plan: DecodePlan) -> None:
+        """Replay the graph of ``plan.key`` over the prepared buffers (under the oracle when it is on)."""
+        if self.graph_check is not None:
+            self._replay_checked(plan)
+            return
+        with nvtx.decode_replay(plan.rows, plan.key.padded_batch):
+            self.graphs[plan.key].replay()
+
+    def _outputs(self, plan: DecodePlan) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        rows = plan.rows
+        logprobs = (self.logprob_values[:rows], self.logprob_ids[:rows]) if plan.key.sampling_mode == "logprobs" else None
+        return self.next_tokens[:rows], logprobs
 
     @torch.inference_mode()
     def eager_decode(self, batch: DecodeBatch) -> list[int]:
         """The step a replay would run (same padded bucket, static buffers and kernels) executed
         without the graph: what replays are checked against. Not counted in ``stats``."""
-        if not self.fits_static_buffers(batch):
+        plan = self.plan(batch)
+        if not plan.static_buffers:
             raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
-        padded = choose_bucket(self.capture_sizes, len(batch))
-        tokens, _ = self._decode_static(batch, padded, replay=False, carry_input_ids=False)
-        return tokens.tolist()
+        plan = DecodePlan(plan.rows, GraphKey(choose_bucket(self.capture_sizes, plan.rows), plan.key.sampling_mode),
+                          EagerReason.ENFORCE_EAGER, True)
+        self.prepare(batch, plan)
+        self._forward(plan.key)
+        return self.next_tokens[: plan.rows].tolist()
 
-    def _decode_static(self, batch: DecodeBatch, padded: int, replay: bool, carry_input_ids: bool,
-                       carry_rows: list[int] | None = None, max_seq_len: int | None = None
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        with nvtx.decode_prepare():
-            mode = self._refresh(batch, padded, carry_input_ids, carry_rows)
-            if carry_rows is not None:
-                # Row i takes the token row carry_rows[i] sampled: gathered into a new tensor first,
-                # since the rows read and the rows written share input_ids.
-                gathered = self.input_ids.index_select(0, self.graph_state.carry_rows[: len(batch)])
-                self.input_ids[: len(batch)].copy_(gathered)
-        rows = len(batch)
-        self._carried_rows = rows
-        if not replay:
-            self._forward(padded, mode, max_seq_len)
-        elif self.graph_check is not None:
-            self._replay_checked(rows, padded, mode)
-        else:
-            with nvtx.decode_replay(rows, padded):
-                self.graphs[(padded, mode)].replay()
-        logprobs = (self.logprob_values[:rows], self.logprob_ids[:rows]) if mode == "logprobs" else None
-        return self.next_tokens[:rows], logprobs
-
-    def _replay_checked(self, rows: int, padded: int, mode: str) -> None:
-        """The replay of bucket ``padded`` under the oracle (``graph_check``): the static inputs' addresses
-        checked first (moved ones: an eager step instead), and every N-th replay run eagerly too and
-        compared; a failure sends the bucket to eager from then on."""
-        check = self.graph_check
+    def _replay_checked(self, plan: DecodePlan) -> None:
+        """The replay under the oracle (``graph_check``): the static inputs' addresses checked first
+        (moved ones: an eager step instead), and every N-th replay run eagerly too and compared; a
+        failure sends the bucket to eager from then on."""
+        check, key, rows = self.graph_check, plan.key, plan.rows
         moved = check.moved_inputs(self._static_inputs())
         if moved:
-            check.fail(GraphCheckFailure(padded, mode, check.replays + 1, "inputs_moved", moved=moved))
-            self._forward(padded, mode)
+            check.fail(GraphCheckFailure(key.padded_batch, key.sampling_mode, check.replays + 1, "inputs_moved",
+                                         moved=moved))
+            self._forward(key)
             return
         due = check.count_replay()
-        inputs = self.input_ids[:padded].clone() if due else None  # the replay overwrites them with its tokens
-        with nvtx.decode_replay(rows, padded):
-            self.graphs[(padded, mode)].replay()
+        ids = self.inputs.input_ids[: key.padded_batch]
+        inputs = ids.clone() if due else None  # the replay overwrites them with its tokens
+        with nvtx.decode_replay(rows, key.padded_batch):
+            self.graphs[key].replay()
         if not due:
             return
         graph_tokens, graph_logits = self.next_tokens[:rows].clone(), self.logits[:rows].clone()
-        self.input_ids[:padded].copy_(inputs)
-        self._forward(padded, mode)  # the same step eagerly: same bucket, same captured bound
+        ids.copy_(inputs)
+        self._forward(key)  # the same step eagerly: same bucket, same captured bound
         check.checks += 1
         tokens_differ, max_diff, diverged = check.differences(graph_tokens, graph_logits, self.next_tokens[:rows],
                                                              self.logits[:rows])
         check.largest_logit_diff = max(check.largest_logit_diff, max_diff)
         if diverged:  # the eager step's results stay in the buffers
-            check.fail(GraphCheckFailure(padded, mode, check.replays, "diverged", max_diff, tokens_differ))
+            check.fail(GraphCheckFailure(key.padded_batch, key.sampling_mode, check.replays, "diverged", max_diff,
+                                         tokens_differ))
 
     def _static_inputs(self) -> dict[str, torch.Tensor]:
         """Every tensor a captured graph reads or writes, by name: the oracle's address check."""
         inputs = static_tensors({
-            "graph_state": self.graph_state, "sampling": self.sampling, "logits": self.logits,
+            "graph_state": self.graph_state, "input_ids": self.inputs.input_ids,
+            "positions": self.inputs.positions, "sampling": self.sampling, "logits": self.logits,
             "logprob_values": self.logprob_values, "logprob_ids": self.logprob_ids, "kv_caches": self.kv_caches,
         })
         inputs.update((f"model.{name}", tensor) for name, tensor in self.model.named_parameters())
@@ -391,55 +475,18 @@ class DecodeGraphRunner:
             raise RuntimeError("this runner was built without return_logits=True")
         return self.logits[:batch_size]
 
-    def _eager_reason_for(self, batch: DecodeBatch) -> str | None:
-        if self.eager_reason is not None:  # no graphs at all: the runner-wide reason explains the step
-            return self.eager_reason
-        if len(batch) > self.max_batch_size:
-            return EagerReason.BATCH_TOO_LARGE
-        if max(batch.seq_lens, default=0) > self.max_seq_len:
-            return EagerReason.CONTEXT_TOO_LONG
-        if self.graph_check is not None and choose_bucket(self.capture_sizes, len(batch)) in self.graph_check.failed_buckets:
-            return EagerReason.GRAPH_CHECK_FAILED
-        return None
-
-    def fits_static_buffers(self, batch: DecodeBatch) -> bool:
-        """Whether ``batch`` runs through the static buffers (replayed, or eager on the same tensors)."""
-        return self.fits(len(batch), max(batch.seq_lens, default=0))
-
-    def can_carry(self, rows: Sequence[int]) -> bool:
-        """Whether the previous launch left the sampled tokens of ``rows`` (its row indices) in the static
-        buffers, where ``launch(..., carry_rows=rows)`` gathers them: it ran through the buffers (a batch
-        too large or too long for them runs outside) with more rows than the largest named."""
-        return all(0 <= row < self._carried_rows for row in rows)
-
-    def fits(self, rows: int, longest_seq_len: int) -> bool:
-        """Whether ``rows`` rows whose longest holds ``longest_seq_len`` keys fit the static buffers."""
-        return rows <= self.max_batch_size and longest_seq_len <= self.max_seq_len
-
-    def _refresh(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False,
-                 carry_rows: list[int] | None = None) -> str:
-        """Write ``batch`` into the static buffers (rows padded to ``padded``; input ids left on the
-        device with ``carry_input_ids``, their source rows staged with ``carry_rows``); returns its
-        sampling mode."""
-        mode = batch.sampling_mode
-        self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
-                                         padded, input_ids=batch.input_ids, positions=batch.positions,
-                                         block_table_versions=batch.block_table_versions,
-                                         keep_input_ids=carry_input_ids, carry_rows=carry_rows)
-        if mode != "greedy":  # greedy graphs never read the sampling rows: skip their copy
-            self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
-        return mode
-
-    def _forward(self, size: int, mode: str, max_seq_len: int | None = None) -> None:
+    def _forward(self, key: GraphKey, attention_bound: int | None = None) -> None:
         """The captured region: static inputs [:size] -> next_tokens[:size] (and logits, logprobs).
 
-        ``max_seq_len`` lowers the attention bound below the captured maximum (eager runs only)."""
+        ``attention_bound`` lowers the attention bound below the captured maximum (eager steps only)."""
+        size, mode = key
         metadata = self.backend.graph_metadata(self.graph_state, size)
-        if max_seq_len is not None:
-            metadata.max_decode_seq_len = max_seq_len
+        if attention_bound is not None:
+            metadata.max_decode_seq_len = attention_bound
         logprobs = (self.logprob_values[:size], self.logprob_ids[:size]) if mode == "logprobs" else None
-        self._run_model(self.input_ids[:size], self.positions[:size], metadata, self._sampling_view(size, mode),
-                        self.next_tokens[:size], None if self.logits is None else self.logits[:size], logprobs)
+        self._run_model(self.inputs.input_ids[:size], self.inputs.positions[:size], metadata,
+                        self._sampling_view(size, mode), self.next_tokens[:size],
+                        None if self.logits is None else self.logits[:size], logprobs)
 
     def _decode_unbuffered(self, batch: DecodeBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Eager decode with per-step tensors, for batches the static buffers cannot hold."""
@@ -496,7 +543,7 @@ class DecodeGraphRunner:
         self.closed = True
         self.graph_check = None
         self.model = self.kv_caches = None
-        self.graph_state = self._static_sampling = self.sampling = None
-        self.input_ids = self.positions = self.next_tokens = None
+        self.graph_state = self.inputs = self._static_sampling = self.sampling = None
+        self.next_tokens = None
         self.logits = self.logprob_values = self.logprob_ids = None
         self._host_buffers = []

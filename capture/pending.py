@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrt import nvtx
-from graphrt.logprobs import TokenLogprobs, unpack_rows
+from graphrt.base import nvtx
+from graphrt.sampling.logprobs import TokenLogprobs, unpack_rows
 
 
 class HostBuffers:
     """Pinned host memory a launch's results are copied into: tokens [B] int64 and the packed logprobs
-    of ``graphrt.logprobs.token_logprobs`` (values [B, 1 + K] float32, ids [B, 1 + K] int64), with the
+    of ``graphrt.sampling.logprobs.token_logprobs`` (values [B, 1 + K] float32, ids [B, 1 + K] int64), with the
     event recorded after the copies. The graph runner keeps two and uses them in turn."""
 
     def __init__(self, max_batch_size: int, logprob_width: int, device: torch.device) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrt.sampler import SamplingTensors, host_rows
-from graphrt.sampling_params import SamplingParams
-from graphrt.staging import PackedStaging
+from graphrt.base.staging import PackedStaging
+from graphrt.sampling.params import SamplingParams
+from graphrt.sampling.sampler import SamplingTensors, host_rows
 
 
 class StaticSampling:

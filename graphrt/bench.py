@@ -6,9 +6,9 @@ replay or eager forward, sampling, the token copy back), median over ``steps`` r
 replay alone is timed too, on the GPU (CUDA events around ``graph.replay()``): the device time of a
 step without the host's share; and pipelined steps, as the engine runs them with ``async_decode``
 (each step queued, fed by the previous one's tokens on the device, before that step's tokens are read):
-the interval between consecutive steps' tokens, where the host's share overlaps the replay. The floor is (weight bytes + KV bytes read) / the HBM read bandwidth
-measured in the same run. ``compare_unfused`` times the same graphs built with the unfused reference
-kernels beside them.
+the interval between consecutive steps' tokens, where the host's share overlaps the replay. The floor
+is (weight bytes + KV bytes read) / the HBM read bandwidth measured in the same run.
+``compare_unfused`` times the same graphs built with the unfused reference kernels beside them.
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from graphrt.capture.buckets import choose_bucket
-
-from .config import resolve_dtype
-from .engine import LLMEngine
-from .errors import ConfigError
-from .sampling_params import SamplingParams
-from .workload import decode_engine, fill_decode_batch, synchronize
+from graphrt.base.errors import ConfigError
+from graphrt.config import resolve_dtype
+from graphrt.engine import LLMEngine
+from graphrt.sampling.params import SamplingParams
+from graphrt.workload import decode_engine, fill_decode_batch, synchronize
 
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (512,)
@@ -59,8 +57,9 @@ def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     """Bytes/s of a large on-device reduction (each byte read once), median of 20 runs.
 
     The runs follow half a second of the same reduction, so that a GPU that was idle has raised its
-    clocks: timed after only 3 warm-up runs, the probe at the start of a ``bench`` read between 3.9 and
-    4.2 TB/s on the H200 (profiles/notes_fusion.md), moving every floor of that invocation by up to 7 %."""
+    clocks: timed after only a few warm-up runs, the probe at the start of a ``bench`` read a bandwidth
+    that varied from one invocation to the next, and every floor of that invocation moved with it
+    (profiles/notes_fusion.md)."""
     data = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
     warm_until = time.perf_counter() + 0.5
     while time.perf_counter() < warm_until:
@@ -138,7 +137,7 @@ def _time_replays(engine: LLMEngine, batch, steps: int) -> float:
 
 def _graph_for(runner, batch) -> torch.cuda.CUDAGraph:
     """The captured graph ``runner`` replays for ``batch``: its padded size's, its sampling mode's."""
-    return runner.graphs[(choose_bucket(runner.capture_sizes, len(batch)), batch.sampling_mode)]
+    return runner.graphs[runner.plan(batch).key]
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -152,19 +151,6 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
-
-
-def recaptured_replay_ms(runner, batch, replays: int) -> tuple[float, list[int]]:
-    """(median GPU ms of a replay, the step's tokens) of ``batch`` after capturing ``runner``'s graphs
-    again: how the step sweeps in profiles/ time a kernel choice (a tile, a split count) they changed
-    in its module, since launches read those choices when they are captured."""
-    runner.graphs.clear()
-    runner.capture(progress=False)
-    if not runner.uses_graphs:  # capture failed: the runner fell back to eager and says why
-        why = runner.stats.capture_error or runner.eager_reason
-        raise RuntimeError(f"capturing the decode graphs again failed: {why}")
-    tokens = runner.decode(batch)
-    return median_replay_ms(_graph_for(runner, batch), replays), tokens
 
 
 def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, **options):
@@ -213,7 +199,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             weights = weight_bytes_read(eager_engine, batch_size)
             kv = kv_bytes_read(eager_engine, batch_size, context)
             fused = eager_engine.fused_kernels
-            gemv_layers = eager_engine.model.runs_gemv_layers(batch_size)
+            gemv_layers = eager_engine.model.kernel_policy.runs_gemv(batch_size)
             launched_as_dependents = eager_engine.dependent_launch
             del eager_engine, batch
             graph_ms = replay_ms = pipelined_ms = capture_s = pool = unfused_ms = unfused_replay = None

@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import GraphrtError
-from .info import collect_info, format_info
+from graphrt.base.errors import GraphrtError
+from graphrt.info import collect_info, format_info
 
 EXIT_REQUEST_ERROR = 1
 EXIT_USAGE_ERROR = 2
@@ -186,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from graphrt.config import EngineConfig
+    from graphrt.llm import LLM
+    from graphrt.sampling.params import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
         raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             print(format_info(collect_info()))
             return 0
         if args.command == "bench":
-            from .bench import main as bench_main
+            from graphrt.bench import main as bench_main
 
             return bench_main(args)
         if args.command == "profile":
-            from .profile import main as profile_main
+            from graphrt.profile import main as profile_main
 
             return profile_main(args)
         return _run_generate(args)

@@ -13,23 +13,24 @@ from dataclasses import dataclass
 import torch
 
 from graphrt.attention import get_attention_backend
+from graphrt.base import nvtx
+from graphrt.base.checks import triton_interpreter_on
+from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
+from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeGraphRunner, PendingTokens
-
-from . import nvtx
-from .block_manager import BlockManager
-from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, triton_interpreter_on
-from .errors import ConfigError, GraphrtError, InvalidRequestError
-from .host_memory import return_freed_host_memory
-from .kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
-from .loader import load_weights_into, open_checkpoint
-from .logprobs import TokenLogprobs
-from .model_runner import ModelRunner, profile_prefill_peak_memory
-from .models.llama import LlamaForCausalLM
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .tokenizer import Tokenizer
+from graphrt.config import EngineConfig, resolve_device, resolve_dtype
+from graphrt.host_memory import return_freed_host_memory
+from graphrt.kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
+from graphrt.loader import load_weights_into, open_checkpoint
+from graphrt.loader.tokenizer import Tokenizer
+from graphrt.model_runner import ModelRunner, profile_prefill_peak_memory
+from graphrt.models.config import ModelConfig
+from graphrt.models.llama import LlamaForCausalLM
+from graphrt.outputs import RequestOutput
+from graphrt.sampling.logprobs import TokenLogprobs
+from graphrt.sampling.params import SamplingParams
+from graphrt.scheduler import Scheduler
+from graphrt.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class LLMEngine:
             return False
         possible = self.fused_kernels and self.device.type == "cuda"
         if possible:
-            from .kernels.dependent_launch import dependent_launch_available
+            from graphrt.kernels.dependent_launch import dependent_launch_available
 
             possible = dependent_launch_available(self.device)
         if wanted and not possible:

@@ -9,8 +9,7 @@ import platform
 import torch
 
 from graphrt.attention import BACKENDS
-
-from .errors import ModelLoadError
+from graphrt.base.errors import ModelLoadError
 
 _LIBRARIES = ("torch", "triton", "xformers", "nvtx", "gguf", "tokenizers", "safetensors")
 
@@ -32,7 +31,7 @@ def _device_description() -> str:
 
 def collect_info() -> dict:
     """A JSON-able report of the installation."""
-    from .loader import default_model_path
+    from graphrt.loader import default_model_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = {}

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from graphrt.attention import AttentionBackend
-
-from .config import ModelConfig
-from .errors import ConfigError
+from graphrt.base.errors import ConfigError
+from graphrt.models.config import ModelConfig
 
 #: CPU default cap on KV-cache bytes when the config gives neither a block count nor a byte budget.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

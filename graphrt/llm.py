@@ -5,12 +5,12 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence as SequenceABC
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .errors import GraphrtError, InvalidRequestError
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from graphrt.base.errors import GraphrtError, InvalidRequestError
+from graphrt.config import EngineConfig
+from graphrt.engine import LLMEngine
+from graphrt.loader.tokenizer import Tokenizer
+from graphrt.outputs import RequestOutput
+from graphrt.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -12,14 +12,19 @@ import torch
 
 from graphrt.attention import AttentionBackend
 from graphrt.attention.metadata import pinned_to_device
+from graphrt.base import nvtx
+from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeBatch, DecodeGraphRunner, PendingTokens
-
-from . import nvtx
-from .block_manager import BlockManager
-from .logprobs import PROMPT_ROWS_PER_CHUNK, TokenLogprobs, prompt_logprobs, rows_logprobs, token_logprobs
-from .models.llama import LlamaForCausalLM
-from .sampler import SamplingTensors, sample
-from .sequence import Sequence
+from graphrt.models.llama import LlamaForCausalLM
+from graphrt.sampling.logprobs import (
+    PROMPT_ROWS_PER_CHUNK,
+    TokenLogprobs,
+    prompt_logprobs,
+    rows_logprobs,
+    token_logprobs,
+)
+from graphrt.sampling.sampler import SamplingTensors
+from graphrt.sequence import Sequence
 
 
 class ModelRunner:
@@ -43,13 +48,9 @@ class ModelRunner:
         self.decode_runner = decode_runner
         self.device = decode_runner.device
         self.block_size = block_manager.block_size
-        #: Prefill tokens are chosen as decode tokens are: the fused kernels with a fused model, so a
-        #: request's draws come from one race formula.
-        self._sample = sample
-        if getattr(model, "fused_kernels", False):
-            from .kernels.sampling import sample_fused
-
-            self._sample = sample_fused
+        #: Prefill tokens are chosen as decode tokens are, by the model's kernel policy, so a request's
+        #: draws come from one race formula.
+        self._sample = model.kernel_policy.sample
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -83,7 +84,7 @@ class ModelRunner:
         that outgrew them ran outside, and its tokens come back through the host only), and one position
         further the batch still fits them (rows that outgrow them decode eagerly, from host ids)."""
         longest = max((seq.num_tokens + 1 for seq in decodes), default=0)
-        return self.decode_runner.can_carry(ahead_from) and self.decode_runner.fits(len(decodes), longest)
+        return self.decode_runner.can_carry(ahead_from, longest)
 
     def _decode_batch(self, decodes: list[Sequence], ahead: bool = False) -> DecodeBatch:
         """The decode of each sequence's newest token (``ahead``: of the token after it, see ``launch_decode``)."""

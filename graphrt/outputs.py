@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .logprobs import TokenLogprobs
+from graphrt.sampling.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -40,7 +40,7 @@ Per step (means over the recorded steps), all times in microseconds:
   step time on the step's thread outside any recorded operator or runtime call (Python).
 
 On CPU the GPU figures are None and ``notes`` says that kernel figures need CUDA. The profiler slows
-the host side (operator recording; CUPTI makes a graph launch cost about a millisecond), so
+the host side (operator recording; CUPTI makes a graph launch cost far more than it does unprofiled), so
 ``step_wall_us`` exceeds ``step_wall_us_unprofiled``: kernel durations hold, idle and launch
 figures are upper bounds, and a note says by how much the step slowed.
 """
@@ -60,8 +60,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
-from .workload import decode_workload, synchronize
+from graphrt.base.errors import ConfigError
+from graphrt.workload import decode_workload, synchronize
 
 DEFAULT_TRACE = "graphrt_trace.json"
 #: The annotation around each recorded decode step (a ``user_annotation`` event in the trace).

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from graphrt.block_manager import BlockManager
+from graphrt.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .logprobs import TokenLogprobs
-from .sampling_params import SamplingParams
+from graphrt.sampling.logprobs import TokenLogprobs
+from graphrt.sampling.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from graphrt.capture import DecodeBatch
-
-from .config import EngineConfig
-from .engine import LLMEngine
-from .sampling_params import SamplingParams
+from graphrt.config import EngineConfig
+from graphrt.engine import LLMEngine
+from graphrt.sampling.params import SamplingParams
 
 BLOCK_SIZE = 16
 

@@ -263,14 +263,13 @@ def test_runner_refuses_what_it_cannot_carry_and_keeps_unread_tokens(async_llm):
             manager.free(sid)
 
 
-def test_graph_state_refresh_keeps_device_input_ids():
-    from graphrt.attention.graph_state import DecodeGraphState
+def test_decode_inputs_refresh_keeps_device_input_ids():
+    from graphrt.capture.decode_inputs import DecodeInputs
 
-    state = DecodeGraphState.allocate(4, 64, 16, torch.device("cpu"))
-    state.refresh([5, 9], [[1], [2]], [20, 40], 4, input_ids=[11, 12], positions=[4, 8])
-    state.input_ids[:2] = torch.tensor([101, 102])  # what a step's sampler writes there
-    state.refresh([6, 10], [[1], [2]], [21, 41], 4, input_ids=[7, 7], positions=[5, 9], keep_input_ids=True)
-    assert state.input_ids[:2].tolist() == [101, 102]
-    assert state.positions[:4].tolist() == [5, 9, 0, 0]
-    assert state.slot_mapping[:4].tolist() == [21, 41, -1, -1]
-    assert state.seq_lens[:4].tolist() == [6, 10, 1, 1]
+    inputs = DecodeInputs(4, torch.device("cpu"))
+    inputs.refresh([11, 12], [4, 8], 4)
+    inputs.input_ids[:2] = torch.tensor([101, 102])  # what a step's sampler writes there
+    inputs.refresh([7, 7], [5, 9], 4, keep_input_ids=True, carry_rows=[1, 0])
+    assert inputs.input_ids[:2].tolist() == [101, 102]
+    assert inputs.positions[:4].tolist() == [5, 9, 0, 0]
+    assert inputs.carry_rows[:2].tolist() == [1, 0]

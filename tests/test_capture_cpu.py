@@ -12,7 +12,16 @@ import torch
 from graphrt import LLM, SamplingParams
 from graphrt.attention import ReferenceAttentionBackend
 from graphrt.attention.graph_state import NULL_BLOCK, PAD_SEQ_LEN, PAD_SLOT, DecodeGraphState
-from graphrt.capture import DecodeBatch, DecodeGraphRunner, EagerReason, choose_bucket, default_capture_sizes
+from graphrt.capture import (
+    DecodeBatch,
+    DecodeGraphRunner,
+    DecodePlan,
+    EagerReason,
+    GraphKey,
+    choose_bucket,
+    default_capture_sizes,
+)
+from graphrt.capture.decode_inputs import DecodeInputs
 
 TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False, loader_options={"init_std": 0.5})
 
@@ -33,12 +42,10 @@ def test_choose_bucket_pads_to_smallest_that_holds(batch, bucket):
 def test_refresh_writes_real_rows_and_inert_padding():
     state = DecodeGraphState.allocate(max_batch_size=8, max_seq_len=64, block_size=16, device=torch.device("cpu"))
     # Garbage everywhere first: a refresh must overwrite every row up to the padded size.
-    for tensor in (state.input_ids, state.positions, state.seq_lens, state.slot_mapping, state.block_tables):
+    for tensor in (state.seq_lens, state.slot_mapping, state.block_tables):
         tensor.fill_(777)
     state.refresh(seq_lens=[5, 17, 33], block_tables=[[3], [4, 9], [1, 2, 6]], slot_mapping=[52, 144, 96],
-                  padded_batch_size=4, input_ids=[11, 12, 13], positions=[4, 16, 32])
-    assert state.input_ids[:4].tolist() == [11, 12, 13, 0]
-    assert state.positions[:4].tolist() == [4, 16, 32, 0]
+                  padded_batch_size=4)
     assert state.seq_lens[:4].tolist() == [5, 17, 33, PAD_SEQ_LEN]
     assert state.slot_mapping[:4].tolist() == [52, 144, 96, PAD_SLOT]
     assert state.block_tables[:4].tolist() == [
@@ -48,8 +55,27 @@ def test_refresh_writes_real_rows_and_inert_padding():
     # One copy of the bytes in use: block tables come last, so rows past the padded size are not copied.
     assert state.block_tables[4:].flatten().tolist() == [777] * 16
     metadata = state.metadata(4)
-    assert metadata.use_cuda_graph and metadata.seq_lens is None and metadata.max_decode_seq_len == 64
+    assert metadata.seq_lens is None and metadata.max_decode_seq_len == 64
     assert metadata.block_tables.data_ptr() == state.block_tables.data_ptr()  # views, not copies
+
+
+def test_decode_inputs_refresh_writes_real_rows_and_zero_padding():
+    """The runner's token inputs: ids and positions of the real rows, zeros in padding rows, nothing
+    past the padded size; refused shapes copy nothing."""
+    inputs = DecodeInputs(8, torch.device("cpu"))
+    for tensor in (inputs.input_ids, inputs.positions):
+        tensor.fill_(777)
+    inputs.refresh([11, 12, 13], [4, 16, 32], padded_batch_size=4)
+    assert inputs.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert inputs.positions[:4].tolist() == [4, 16, 32, 0]
+    assert inputs.positions[4:].tolist() == [777] * 4
+    with pytest.raises(ValueError, match="does not fit"):
+        inputs.refresh([1] * 9, list(range(9)), padded_batch_size=9)
+    with pytest.raises(ValueError, match="carry_rows needs keep_input_ids"):
+        inputs.refresh([1], [2], 1, carry_rows=[0])
+    with pytest.raises(ValueError, match="2 input ids for 1 positions"):
+        inputs.refresh([1, 2], [5], 1)
+    assert inputs.input_ids[:4].tolist() == [11, 12, 13, 0]
 
 
 def test_refresh_with_table_versions_restages_exactly_the_changed_rows():
@@ -78,7 +104,7 @@ def test_refresh_with_table_versions_restages_exactly_the_changed_rows():
 
 def test_static_sampling_refresh_equals_from_params():
     from graphrt.capture.static_sampling import StaticSampling
-    from graphrt.sampler import SamplingTensors
+    from graphrt.sampling.sampler import SamplingTensors
 
     static = StaticSampling(6, torch.device("cpu"))
     storage = static.packed.device_buffer.data_ptr()
@@ -240,12 +266,12 @@ def test_padding_rows_with_garbage_change_nothing_real(llm):
     runner.eager_decode(larger)  # the static buffers now hold 8 live rows' slots, lengths and tables
     for kv, original in zip(caches, before):
         kv.copy_(original)
-    runner._refresh(batch, 8)
+    runner.prepare(batch, DecodePlan(3, GraphKey(8, "greedy"), EagerReason.ENFORCE_EAGER, True))
     state = runner.graph_state
     assert state.slot_mapping[3:8].tolist() == [PAD_SLOT] * 5, "a larger batch's slot was left in a padding row"
     garbage = torch.Generator().manual_seed(9)
-    runner.input_ids[3:8] = torch.randint(0, 512, (5,), generator=garbage)
-    runner.positions[3:8] = torch.randint(0, 128, (5,), generator=garbage)
+    runner.inputs.input_ids[3:8] = torch.randint(0, 512, (5,), generator=garbage)
+    runner.inputs.positions[3:8] = torch.randint(0, 128, (5,), generator=garbage)
     runner.sampling.temperature[3:8] = 3.0
     # Padding rows may read whatever their lengths and tables say (here the larger batch's rows, over live
     # blocks); their slots stay the refresh's, so what they write goes to the null block.
@@ -253,7 +279,7 @@ def test_padding_rows_with_garbage_change_nothing_real(llm):
     state.seq_start_loc[1:9] = torch.cumsum(state.seq_lens[:8], 0)
     for row, table in enumerate(larger.block_tables[3:8], start=3):
         state.block_tables[row, : len(table)] = torch.tensor(table, dtype=state.block_tables.dtype)
-    runner._forward(8, "greedy")
+    runner._forward(GraphKey(8, "greedy"))
     assert runner.next_tokens[:3].tolist() == clean_tokens
     assert torch.equal(runner.last_logits(3), clean_logits)
     for layer, (kv, expected) in enumerate(zip(caches, after_clean)):  # every block but the null block

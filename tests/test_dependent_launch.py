@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.errors import ConfigError
+from graphrt.base.errors import ConfigError
 
 needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                 reason="needs a CUDA device of compute capability 9.0 or later")

@@ -21,10 +21,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from triton_cpu import interpreted  # noqa: E402
+
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import activation, rms_norm  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding, rms_norm_torch, silu_and_mul_torch  # noqa: E402
-from triton_cpu import interpreted  # noqa: E402
 
 rope_write = interpreted(rope_write, "_rope_cache_write_kernel")
 activation = interpreted(activation, "_silu_and_mul_kernel")
@@ -218,9 +219,10 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
     """Same greedy tokens and (nearly) the same logits from the fused and the unfused model, over
     prompts of different lengths decoding together, and over one prompt decoding alone (the one-row
     GEMV layers of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel)."""
+    from hf_reference import graphrt_greedy_with_logits
+
     from graphrt import LLM, SamplingParams
     from graphrt.kernels import gemv
-    from hf_reference import graphrt_greedy_with_logits
 
     gemv_rows = []  # the token count of every GEMV call
     linear_gemv = gemv.linear_gemv
@@ -254,7 +256,7 @@ def test_fused_engine_matches_unfused(dtype, monkeypatch):
 
 
 def check_argmax(batch, vocab, dtype, seed=0):
-    from graphrt.kernels import argmax
+    from graphrt.sampling import argmax
 
     logits = _randn(batch, vocab, dtype=dtype, seed=seed, scale=5.0)
     # Ties at the maximum, in two chunks of 4096 (and twice within one), must go to the lowest id.
@@ -286,8 +288,8 @@ def test_argmax_grid_gpu(batch, vocab, dtype):
 
 
 def _sampling_rows(batch, seed, greedy_every=4):
-    from graphrt.sampler import SamplingTensors
-    from graphrt.sampling_params import SamplingParams
+    from graphrt.sampling.params import SamplingParams
+    from graphrt.sampling.sampler import SamplingTensors
 
     gen = torch.Generator().manual_seed(seed)
     params = [SamplingParams(temperature=0.0 if i % greedy_every == 0 else 0.3 + 0.2 * (i % 7)) for i in range(batch)]
@@ -297,10 +299,10 @@ def _sampling_rows(batch, seed, greedy_every=4):
 
 
 def check_temperature_sampling(batch, vocab, dtype, seed=0):
-    """Against graphrt.sampler.sample: constant rows isolate the noise (the race is then decided by
+    """Against graphrt.sampling.sampler.sample: constant rows isolate the noise (the race is then decided by
     the hash alone, so tokens must be equal); random rows may differ only at float32 near-ties."""
-    from graphrt.kernels.sampling import sample_temperature
-    from graphrt.sampler import sample
+    from graphrt.sampling.fused import sample_temperature
+    from graphrt.sampling.sampler import sample
 
     rows = _sampling_rows(batch, seed)
     constant = torch.zeros(batch, vocab, dtype=dtype, device=DEVICE)
@@ -331,9 +333,9 @@ def test_temperature_sampling_grid_gpu(batch, vocab, dtype):
 def test_temperature_sampling_follows_softmax():
     """Draws of one 6-token row (one step each; 20,000 on a GPU, 1,500 in the slow CPU interpreter)
     follow softmax(logits / T) (chi-square, 5 degrees of freedom)."""
-    from graphrt.kernels.sampling import sample_temperature
-    from graphrt.sampler import SamplingTensors
-    from graphrt.sampling_params import SamplingParams
+    from graphrt.sampling.fused import sample_temperature
+    from graphrt.sampling.params import SamplingParams
+    from graphrt.sampling.sampler import SamplingTensors
 
     draws, temperature = (20_000 if CUDA else 1_500), 0.7
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 1.2])
@@ -348,7 +350,7 @@ def test_temperature_sampling_follows_softmax():
 
 def test_fused_kernels_on_cpu_need_the_interpreter(monkeypatch):
     from graphrt import LLM
-    from graphrt.errors import ConfigError
+    from graphrt.base.errors import ConfigError
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="fused_kernels=True needs a CUDA device"):

@@ -19,9 +19,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from triton_cpu import interpreted  # noqa: E402
+
 from graphrt.kernels import gemv  # noqa: E402
 from graphrt.models.layers import rms_norm_torch, silu_and_mul_torch  # noqa: E402
-from triton_cpu import interpreted  # noqa: E402
 
 gemv = interpreted(gemv, "_gemv_kernel")
 
@@ -213,7 +214,7 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
                                                     ("llama-3-8b", 0, 1)])
 def test_models_take_gemv_layers_where_they_were_measured_faster(preset, plain, dependent):
     """One-token forwards run the GEMV layers where they measured faster than cuBLAS: launched plainly,
-    for layers up to MAX_LAYER_BYTES (SmolLM2's 7 MB and the 1B's 122 MB, not the 8B's 436 MB); as
+    for layers up to GEMV_THRESHOLDS.max_layer_bytes (SmolLM2's 7 MB and the 1B's 122 MB, not the 8B's 436 MB); as
     dependent launches, at every measured size. Unfused models never do."""
     from graphrt.attention.reference import ReferenceAttentionBackend
     from graphrt.loader.random_presets import PRESETS
@@ -223,8 +224,8 @@ def test_models_take_gemv_layers_where_they_were_measured_faster(preset, plain, 
         return LlamaForCausalLM(PRESETS[preset], ReferenceAttentionBackend, 64, torch.bfloat16, "meta",
                                 fused_kernels=fused, dependent_launch=dependent_launch)
 
-    assert build(True).gemv_max_tokens == plain
-    assert build(True, dependent_launch=True).gemv_max_tokens == dependent
-    assert build(False).gemv_max_tokens == 0
+    assert build(True).kernel_policy.gemv_max_tokens == plain
+    assert build(True, dependent_launch=True).kernel_policy.gemv_max_tokens == dependent
+    assert build(False).kernel_policy.gemv_max_tokens == 0
     with pytest.raises(ValueError, match="dependent_launch needs fused_kernels"):
         build(False, dependent_launch=True)

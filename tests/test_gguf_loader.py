@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphrt.config import RopeScaling
-from graphrt.errors import ModelLoadError
+from graphrt.base.errors import ModelLoadError
 from graphrt.loader import gguf_file
 from graphrt.loader.gguf_file import default_model_path, read_gguf
+from graphrt.models.config import RopeScaling
 
 
 def _smollm_path() -> Path | None:

@@ -36,9 +36,9 @@ import numpy as np
 import pytest
 import regex
 
-from graphrt.errors import ModelLoadError
+from graphrt.base.errors import ModelLoadError
 from graphrt.loader.gguf_file import read_gguf
-from graphrt.tokenizer import Tokenizer
+from graphrt.loader.tokenizer import Tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")

@@ -15,9 +15,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from graphrt import LLM, SamplingParams  # noqa: E402
 from hf_reference import graphrt_greedy_with_logits, hf_greedy_with_logits, hf_step_logits  # noqa: E402
 from random_checkpoints import NAMES, random_prompts, write_random_checkpoint  # noqa: E402
+
+from graphrt import LLM, SamplingParams  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

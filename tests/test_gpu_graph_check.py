@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 from graphrt import LLM, SamplingParams  # noqa: E402
-from graphrt.capture import EagerReason  # noqa: E402
+from graphrt.capture import EagerReason, GraphKey  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -37,7 +37,7 @@ def test_real_graphs_pass_and_a_corrupted_graph_is_caught(dtype, record_property
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                runner._forward(1, "greedy")
+                runner._forward(GraphKey(1, "greedy"))
         finally:
             del model.compute_logits
         runner.graphs[(1, "greedy")] = graph

@@ -121,11 +121,11 @@ def test_garbage_in_padding_rows_changes_nothing_real(setup):
     runner.decode(larger)  # a replay of bucket 8 over 8 live rows: the static buffers hold their rows
     for kv, original in zip(caches, kv_before):
         kv.copy_(original)
-    runner._refresh(batch, 8)
+    runner.prepare(batch, runner.plan(batch))
     state = runner.graph_state
     assert state.slot_mapping[5:8].tolist() == [PAD_SLOT] * 3, "a larger batch's slot was left in a padding row"
-    runner.input_ids[5:8] = torch.randint(0, 512, (3,), device="cuda")
-    runner.positions[5:8] = torch.randint(0, 250, (3,), device="cuda")
+    runner.inputs.input_ids[5:8] = torch.randint(0, 512, (3,), device="cuda")
+    runner.inputs.positions[5:8] = torch.randint(0, 250, (3,), device="cuda")
     runner.sampling.temperature[5:8] = 5.0
     runner.sampling.top_k[5:8] = 3
     runner.sampling.top_p[5:8] = 0.5

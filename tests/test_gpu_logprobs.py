@@ -13,8 +13,9 @@ pytestmark = [
 ]
 pytest.importorskip("transformers")
 
-from graphrt import LLM, SamplingParams  # noqa: E402
 from random_checkpoints import random_prompts, write_random_checkpoint  # noqa: E402
+
+from graphrt import LLM, SamplingParams  # noqa: E402
 
 #: Largest |graphrt - HF float32| logprob (measured on the H200: 4.4e-6 in float32; 0.080 in bfloat16,
 #: which rounds the hidden states).

@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from graphrt import LLM, SamplingParams
-from graphrt.capture import DecodeBatch, DecodeGraphRunner, EagerReason, GraphCheck
+from graphrt.base.errors import ConfigError
+from graphrt.capture import DecodeBatch, DecodeGraphRunner, EagerReason, GraphCheck, GraphKey
 from graphrt.config import EngineConfig
-from graphrt.errors import ConfigError
 
 TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False)
 
@@ -26,7 +26,7 @@ class StandInGraph:
 
     def replay(self) -> None:
         self.replays += 1
-        self.runner._forward(self.size, self.mode)
+        self.runner._forward(GraphKey(self.size, self.mode))
         if self.fault is not None:
             self.fault(self.runner)
 

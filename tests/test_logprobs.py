@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from graphrt import LLM, InvalidRequestError, SamplingParams
+from graphrt.base.errors import ConfigError
 from graphrt.cli import main
-from graphrt.errors import ConfigError
-from graphrt.logprobs import token_logprobs, unpack_rows
+from graphrt.sampling.logprobs import token_logprobs, unpack_rows
 
 TINY = dict(model="random:tiny", dtype="float32", device="cpu", progress=False)
 #: HF and graphrt compute the same float32 logits in another order; log_softmax adds ~1e-6 on top.

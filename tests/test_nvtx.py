@@ -12,11 +12,11 @@ import textwrap
 import types
 from pathlib import Path
 
+import nvtx_injection
 import pytest
 
-import nvtx_injection
 from graphrt import LLM, SamplingParams
-from graphrt import nvtx as graphrt_nvtx
+from graphrt.base import nvtx as graphrt_nvtx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_off_creates_no_domain_and_no_ranges(tool, tmp_path, env):
 
 @pytest.fixture
 def nvtx_state(monkeypatch):
-    """Let a test switch graphrt.nvtx's process-wide state; it is restored (and caches emptied) after."""
+    """Let a test switch graphrt.base.nvtx's process-wide state; it is restored (and caches emptied) after."""
     for name in ("_enabled", "_layers", "_domain", "_push", "_pop"):
         monkeypatch.setattr(graphrt_nvtx, name, getattr(graphrt_nvtx, name))
     for name in ("GRAPHRT_NVTX", "GRAPHRT_NVTX_LAYERS"):

@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nvtx_injection
 import pytest
 
-import nvtx_injection
-from graphrt import nvtx as graphrt_nvtx
+from graphrt.base import nvtx as graphrt_nvtx
 from graphrt.cli import main
 from graphrt.profile import GPU_KEYS, STEP_ANNOTATION, analyze_trace, short_kernel_name
 

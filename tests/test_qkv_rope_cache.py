@@ -22,10 +22,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from triton_cpu import interpreted  # noqa: E402
+
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import gemv  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
-from triton_cpu import interpreted  # noqa: E402
 
 gemv = interpreted(gemv, "_gemv_kernel")
 rope_write = interpreted(rope_write, "_qkv_rope_cache_kernel")

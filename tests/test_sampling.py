@@ -10,16 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrt.errors import InvalidRequestError
-from graphrt.sampler import (
-    SamplingTensors,
-    _row_keys,
-    exponential_noise,
-    hash32,
-    sample,
-    uniform_noise,
-)
-from graphrt.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from graphrt.base.errors import InvalidRequestError
+from graphrt.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from graphrt.sampling.sampler import SamplingTensors, _row_keys, exponential_noise, hash32, sample, uniform_noise
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -33,7 +26,7 @@ def _batch(params, seeds=None, steps=None, device="cpu") -> SamplingTensors:
 
 
 def _expected_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
-    """Reference distribution, in float64, for the convention documented in graphrt.sampler."""
+    """Reference distribution, in float64, for the convention documented in graphrt.sampling.sampler."""
     vocab = len(logits)
     scaled = [x / temperature for x in logits]
     # Descending by value, ties by ascending token id (a stable sort).

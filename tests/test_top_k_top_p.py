@@ -1,5 +1,5 @@
-"""The sort-free top-k / top-p sampler (graphrt.kernels.top_k_top_p) against the sorting sampler
-(graphrt.sampler.sample), which defines the convention: same noise, so the same token for every row,
+"""The sort-free top-k / top-p sampler (graphrt.sampling.top_k_top_p) against the sorting sampler
+(graphrt.sampling.sampler.sample), which defines the convention: same noise, so the same token for every row,
 except where float32 sums round a near-tie differently (the race's, or the top-p boundary's).
 
 Small vocabularies with small chunks run on the CPU under Triton's interpreter (several chunks a row,
@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-from graphrt.kernels import sampling as fused_sampling  # noqa: E402
-from graphrt.kernels import top_k_top_p  # noqa: E402
-from graphrt.sampler import SamplingTensors, filtered_order, sample  # noqa: E402
-from graphrt.sampling_params import SamplingParams  # noqa: E402
 from triton_cpu import interpreted  # noqa: E402
+
+from graphrt.sampling import fused as fused_sampling
+from graphrt.sampling import top_k_top_p
+from graphrt.sampling.params import SamplingParams
+from graphrt.sampling.sampler import SamplingTensors, filtered_order, sample
 
 top_k_top_p = interpreted(top_k_top_p, "_search_kernel")
 fused_sampling = interpreted(fused_sampling, "_temperature_chunk_kernel")
@@ -121,7 +121,7 @@ PROBE_ROWS = [
 def test_kept_sets_are_the_sorting_samplers(dtype, monkeypatch):
     """Every token of every row, one at a time, lifted above the others by the race noise: the row
     draws it exactly when its kept set holds it, so the kept sets themselves are compared with
-    ``graphrt.sampler.filtered_order``'s (finite tokens; a kept -inf token can never be drawn). Logits
+    ``graphrt.sampling.sampler.filtered_order``'s (finite tokens; a kept -inf token can never be drawn). Logits
     on a coarse grid, so values repeat and boundaries fall inside runs of equal values; one row masked."""
     monkeypatch.setattr(top_k_top_p, "log_race_noise", _lift_the_token_of_the_step)
     gen = torch.Generator().manual_seed(21)
@@ -191,7 +191,7 @@ def test_rows_without_filters_race_exactly_as_the_temperature_sampler():
 
 def _sm90_cases() -> list[dict]:
     """Every kernel of the sampler, as launched for bf16, fp16 and float32 logits of a 128k vocabulary."""
-    module, cases = "graphrt.kernels.top_k_top_p", []
+    module, cases = "graphrt.sampling.top_k_top_p", []
     sizes = {"stride_row": "i32", "vocab_size": "i32", "num_chunks": "i32"}
     chunk = dict(CHUNK=top_k_top_p.MAX_CHUNK, CHUNKS_BLOCK=32)
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):

@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from graphrt.attention import triton_cache_write as tcw  # noqa: E402
-
 from triton_cpu import interpreted  # noqa: E402
+
+from graphrt.attention import triton_cache_write as tcw  # noqa: E402
 
 tcw = interpreted(tcw, "_write_kv_cache_kernel")
 

@@ -22,9 +22,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from triton_cpu import interpreted  # noqa: E402
+
 from graphrt.attention import triton_paged_decode as tpd  # noqa: E402
 from graphrt.attention.reference import gather_from_paged_cache  # noqa: E402
-from triton_cpu import interpreted  # noqa: E402
 
 tpd = interpreted(tpd, "_decode_split_kernel")
 

@@ -23,9 +23,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from triton_cpu import interpreted  # noqa: E402
+
 from graphrt.attention import triton_prefix_prefill as tpp  # noqa: E402
 from graphrt.attention.reference import attend, gather_from_paged_cache  # noqa: E402
-from triton_cpu import interpreted  # noqa: E402
 
 tpp = interpreted(tpp, "_prefix_prefill_kernel")
 

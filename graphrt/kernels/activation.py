@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to
+from graphrt.kernels.rounding import round_to
 
 #: Columns of the output one program writes.
 _BLOCK = 1024

@@ -3,7 +3,7 @@
 Inside a CUDA graph a kernel still starts only after the previous one has fully finished: its
 programs are scheduled, then read their first bytes, while the SMs drain the previous kernel's last
 programs. A step of batch-1 decode is a chain of a few hundred short kernels, so those gaps add up
-(SmolLM2-135M: 8 kernels a layer, each a few microseconds). On Hopper (sm_90) and later a kernel
+(a layer is several kernels, each with little work at batch 1). On Hopper (sm_90) and later a kernel
 launched as a *programmatic dependent* may start as soon as every program of the previous kernel has
 signalled ``gdc_launch_dependents``; it must then call ``gdc_wait`` (which returns once the previous
 kernel has finished and its writes are visible) before it touches anything that kernel, or an earlier
@@ -26,8 +26,8 @@ Rules every kernel launched with ``launch_pdl=True`` here follows:
   (The fused QKV kernel issues its position, rotary, slot and bias loads just before it, the GEMV its
   bias load: not timed against the other order.)
 
-Measured on the H200 (profiles/notes_fusion.md, change 7): a layer's four batch-1 GEMV kernels
-43.7 -> 40.7 us (Llama-3.2-1B), 13.1 -> 8.8 us (SmolLM2-135M), with identical outputs.
+Launched as dependents, a layer's batch-1 GEMV kernels run measurably faster with identical outputs
+(profiles/notes_fusion.md has the measurements).
 
 The grid dependency instructions are compiled only into launches with ``PDL=True``; the CPU
 interpreter, which has none, always gets ``PDL=False``. A kernel's ``PDL`` constexpr and Triton's
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.config import triton_interpreter_on
+from graphrt.base.checks import triton_interpreter_on
 
 
 def dependent_launch_available(device: torch.device | str) -> bool:

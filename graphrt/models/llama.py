@@ -3,14 +3,13 @@
 Every layer reads the step's ``AttentionMetadata`` (tokens of all sequences flattened: prefills first,
 then decodes) and its own paged KV cache, so one forward serves any mix of prefill and decode.
 
-``fused_kernels=True`` swaps the layer's elementwise work for Triton kernels (``graphrt.kernels`` and
-``graphrt.attention.triton_rope_cache_write``): residual add + RMSNorm, rotary embedding + KV-cache
-write, SiLU * up, one launch each; a one-token forward of a model with small enough layers runs each
-layer on matrix-vector kernels that fuse those in (``LlamaDecoderLayer.forward_gemv``). ``False``
-keeps the unfused torch ops as the reference to compare against; the two round alike
-(``graphrt.kernels`` says where they can still differ). ``dependent_launch=True`` (with fused kernels,
-on sm_90+) launches the decode path's Triton kernels as programmatic dependents, each overlapping the
-end of the kernel before it (``graphrt.kernels.dependent_launch``); results are the same bits.
+The kernels are the model's ``KernelPolicy`` (``graphrt.models.kernel_policy``), chosen once when it is
+built: with fused kernels the layer's elementwise work runs as Triton kernels (residual add + RMSNorm,
+rotary embedding + KV-cache write, SiLU * up, one launch each), and a forward of few enough tokens runs
+each layer on matrix-vector kernels that fuse those in; unfused, the torch ops are the reference to
+compare against. The two round alike (``graphrt.kernels`` says where they can still differ). Dependent
+launches (fused kernels, sm_90+) let each decode kernel overlap the end of the one before it
+(``graphrt.kernels.dependent_launch``); results are the same bits.
 """
 
 from __future__ import annotations
@@ -21,18 +20,22 @@ import torch
 from torch import nn
 
 from graphrt.attention import AttentionBackend, AttentionMetadata
+from graphrt.base import nvtx
+from graphrt.base.errors import ModelLoadError
 
-from .. import nvtx
-from ..config import ModelConfig
-from ..errors import ModelLoadError
+from .config import ModelConfig
+from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention: QKV projection, rotary embedding, KV-cache write and attention over the paged
+    cache (the output projection is the layer's, which may fuse the residual add into it)."""
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: type[AttentionBackend], dtype, device,
-                 fused_kernels: bool = False, dependent_launch: bool = False):
+                 policy: KernelPolicy):
         super().__init__()
-        self.dependent_launch = dependent_launch
+        self.policy = policy
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )
@@ -50,53 +53,42 @@ class LlamaAttention(nn.Module):
             num_kv_heads=config.num_key_value_heads,
             sliding_window=config.sliding_window,
         )
-
-        self._rope_and_write_cache = self._project_rope_and_write_cache = None
-        if fused_kernels:
+        if policy.fused:
             from graphrt.attention import triton_rope_cache_write
 
-            self._rope_and_write_cache = triton_rope_cache_write.rope_and_write_kv_cache
-            self._project_rope_and_write_cache = triton_rope_cache_write.project_rope_and_write_kv_cache
+            self._rope_cache_write = triton_rope_cache_write
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, hidden] -> [T, hidden]."""
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, attn_metadata))
+    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
+                input_norm: RMSNorm | None = None) -> torch.Tensor:
+        """positions: [T] int64; hidden: [T, hidden], the normalised input -> attention output [T, q],
+        before the output projection. Stores this step's k and v in ``kv_cache``.
 
-    def attend(self, positions, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """qkv: [T, q + 2 kv] projections (q and k not yet rotated) -> attention output [T, q], before
-        the output projection. Stores this step's k and v in ``kv_cache``."""
-        if self._rope_and_write_cache is None:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        ``input_norm`` (GEMV layers, fused kernels): ``hidden`` is the residual stream instead, and one
+        kernel normalises it, projects it to q, k and v, rotates them and stores k and v."""
+        launch = self.policy.dependent_launch
+        if input_norm is not None:
+            qkv = self._rope_cache_write.project_rope_and_write_kv_cache(
+                hidden, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
+                kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                norm_weight=input_norm.weight, eps=input_norm.eps, dependent_launch=launch,
+            )
+        elif self.policy.fused:
+            qkv = self.qkv_proj(hidden)
+            # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
+            self._rope_cache_write.rope_and_write_kv_cache(
+                qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
+                self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=launch,
+            )
+        else:
+            q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary(positions, q, k)
             return self.attn.forward(q, k, v, kv_cache, attn_metadata)
-        # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
-        self._rope_and_write_cache(
-            qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=self.dependent_launch,
-        )
-        return self.attend_rotated(qkv, kv_cache, attn_metadata)
-
-    def project_and_attend(self, positions, residual, norm: RMSNorm, kv_cache,
-                           attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """A few tokens (fast for one; needs fused kernels): ``norm(residual)`` [T, hidden] projected to
-        q, k and v, rotated and stored in ``kv_cache`` by one kernel, then attention -> [T, q], before
-        the output projection."""
-        qkv = self._project_rope_and_write_cache(
-            residual, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
-            kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
-            norm_weight=norm.weight, eps=norm.eps, dependent_launch=self.dependent_launch,
-        )
-        return self.attend_rotated(qkv, kv_cache, attn_metadata)
-
-    def attend_rotated(self, qkv, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """qkv: [T, q + 2 kv] with q and k rotated, k and v already in ``kv_cache`` -> [T, q]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True,
-                                 dependent_launch=self.dependent_launch)
+        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, fused_kernels: bool = False):
+    def __init__(self, config: ModelConfig, dtype, device, policy: KernelPolicy):
         super().__init__()
         # gate and up in one GEMM: rows [0, I) are gate, [I, 2I) up.
         self.gate_up_proj = nn.Linear(
@@ -104,8 +96,8 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
         self._activation = silu_and_mul_torch
-        if fused_kernels:
-            from ..kernels.activation import silu_and_mul
+        if policy.fused:
+            from graphrt.kernels.activation import silu_and_mul
 
             self._activation = silu_and_mul
 
@@ -114,55 +106,56 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block. In ``forward`` the residual add after each sublayer is left to the next
-    norm, which fuses it (``RMSNorm(x, residual)``), so a layer passes on its MLP output and the
-    residual stream; ``forward_gemv`` adds into the stream in place instead."""
+    """One pre-norm block.
 
-    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, fused_kernels: bool = False,
-                 dependent_launch: bool = False):
+    The residual stream travels between layers as a pair ``(hidden, residual)`` whose sum is the
+    stream: a layer leaves its last output in ``hidden`` for the next norm to add (``RMSNorm(x,
+    residual)`` fuses the add), or, on GEMV kernels, adds everything into ``residual`` in place and
+    passes ``hidden=None``.
+    """
+
+    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, policy: KernelPolicy):
         super().__init__()
-        norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=fused_kernels)
+        self.policy = policy
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=policy.fused)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.dependent_launch = dependent_launch
-        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, fused_kernels, dependent_launch)
+        self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, policy)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = LlamaMLP(config, dtype, device, fused_kernels)
-        self._gemv = None
-        if fused_kernels:
-            from ..kernels import gemv
+        self.mlp = LlamaMLP(config, dtype, device, policy)
+        if policy.gemv_max_tokens:
+            from graphrt.kernels import gemv
 
             self._gemv = gemv
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """hidden: [T, hidden], the previous layer's MLP output (the embeddings for layer 0);
-        residual: [T, hidden] stream before that output is added, None for layer 0.
-        Returns (this layer's MLP output, its residual stream), both [T, hidden]."""
+        """positions: [T] int64; hidden: [T, hidden], the previous layer's pending output (the
+        embeddings for layer 0), or None; residual: [T, hidden], the stream before ``hidden`` is
+        added, None for layer 0. Returns the pair for the next layer, both [T, hidden] (``hidden`` None
+        after GEMV kernels).
+
+        A forward of at most ``policy.gemv_max_tokens`` tokens runs the GEMV kernels: QKV with the
+        input norm, rotary and cache write fused in, attention, O adding into the stream, gate/up with
+        the norm and SiLU * up, down adding into the stream; five kernels where the GEMM path runs
+        four GEMMs, two norms, rotary + cache write, SiLU * up and attention."""
+        if self.policy.runs_gemv(positions.shape[0]):
+            return self._forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        attended = self.self_attn(positions, normed, kv_cache, attn_metadata)
+        attended = self.self_attn.o_proj(self.self_attn(positions, normed, kv_cache, attn_metadata))
         normed, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(normed), residual
 
-    def forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """The same layer for a single token (decode at batch 1) on matrix-vector kernels: QKV with
-        the input norm, rotary and cache write fused in, attention, O adding into the residual stream,
-        gate/up with the norm and SiLU * up, down adding into the stream; five kernels where
-        ``forward`` runs four GEMMs, two norms, rotary + cache write, SiLU * up, attention and (cuBLAS's)
-        a split-K reduce (``graphrt.kernels.gemv``; correct for any token count, fast for one). Needs fused kernels.
-        Arguments as ``forward``; ``hidden`` may be None (nothing pending). Returns (None, residual):
-        the stream, updated in place, carries everything."""
-        if self._gemv is None:
-            raise RuntimeError("forward_gemv needs a layer built with fused_kernels=True")
+    def _forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
         if residual is None:
             residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
         elif hidden is not None:
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
-        launch = {"dependent_launch": self.dependent_launch}
-        attended = attention.project_and_attend(positions, residual, self.input_layernorm, kv_cache, attn_metadata)
+        launch = {"dependent_launch": self.policy.dependent_launch}
+        attended = attention(positions, residual, kv_cache, attn_metadata, input_norm=self.input_layernorm)
         kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
                             epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
         activated = kernels.linear_gemv(
@@ -197,39 +190,23 @@ class LlamaForCausalLM(nn.Module):
         dependent_launch: bool = False,
     ):
         super().__init__()
-        if dependent_launch and not fused_kernels:
-            raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         self.config = config
-        self.fused_kernels = fused_kernels
-        self.dependent_launch = dependent_launch
+        #: The kernels every forward runs, chosen here once (``KernelPolicy.choose``).
+        self.kernel_policy = KernelPolicy.choose(config, dtype, fused_kernels, dependent_launch)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, fused_kernels, dependent_launch)
+            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, self.kernel_policy)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=fused_kernels)
-        #: Forwards of at most this many tokens run the layers' ``forward_gemv``: ``gemv.MAX_ROWS`` with
-        #: fused kernels where the GEMV kernels beat cuBLAS (``graphrt.kernels.gemv.beats_cublas``), else 0.
-        self.gemv_max_tokens = 0
-        if fused_kernels and len(self.layers):
-            from ..kernels import gemv
-
-            layer = self.layers[0]
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if gemv.beats_cublas(sum(linear.weight.nbytes for linear in linears), dependent_launch):
-                self.gemv_max_tokens = gemv.MAX_ROWS
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
-
-    def runs_gemv_layers(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` tokens runs the layers' ``forward_gemv``."""
-        return 0 < num_tokens <= self.gemv_max_tokens
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -243,22 +220,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor | None],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype.
-
-        A forward of at most ``gemv_max_tokens`` tokens (with fused kernels: decode at batch 1, or a
-        one-token prompt) runs each layer's ``forward_gemv``; others run cuBLAS GEMMs.
-        """
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
         self._check_weights()
-        gemv = self.runs_gemv_layers(input_ids.shape[0])
-        run = LlamaDecoderLayer.forward_gemv if gemv else LlamaDecoderLayer.__call__
         hidden, residual = self.embed_tokens(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
-                    hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn_metadata)
+                    hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn_metadata)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         if hidden is None:  # the GEMV layers left everything in the residual stream
             return self.norm(residual)
         normed, _ = self.norm(hidden, residual)

@@ -1,11 +1,11 @@
 """Temperature sampling fused into two short passes over the logits (no top-k / top-p).
 
-``graphrt.sampler.sample`` draws with the exponential race: ``argmax_i exp(x_i / T - max) / E_i`` with
+``graphrt.sampling.sampler.sample`` draws with the exponential race: ``argmax_i exp(x_i / T - max) / E_i`` with
 ``E_i = -log(U_i)`` and ``U_i`` a counter-based hash of (seed, step, token id). Unfused that is ~25
 kernels over [B, V] (a scaled copy, its max, exp, the 64-bit hash chain, log, divide, argmax). Here
 pass 1 computes, per chunk of a row, ``x_i / T - log(E_i)`` -- the logarithm of the same race, so the
-same draw -- and its maximum; pass 2 (shared with ``graphrt.kernels.argmax``) picks each row's best
-chunk. The noise is bit-identical to ``graphrt.sampler.uniform_noise`` (same hash, same keys) and the
+same draw -- and its maximum; pass 2 (shared with ``graphrt.sampling.argmax``) picks each row's best
+chunk. The noise is bit-identical to ``graphrt.sampling.sampler.uniform_noise`` (same hash, same keys) and the
 logits are divided as torch divides them; the rest of the arithmetic differs (log domain, no max
 subtracted), so the token differs from ``sample``'s only
 when two race values tie to within float32 rounding. Greedy rows (temperature 0) take the plain argmax,
@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sampler import SamplingTensors
-from .argmax import argmax_rows, store_chunk_best, two_pass_argmax
-from .race_noise import log_race_noise, scale_logits
-from .top_k_top_p import sample_top_k_top_p
+from graphrt.sampling.argmax import argmax_rows, store_chunk_best, two_pass_argmax
+from graphrt.sampling.race_noise import log_race_noise, scale_logits
+from graphrt.sampling.sampler import SamplingTensors
+from graphrt.sampling.top_k_top_p import sample_top_k_top_p
 
 
 @triton.jit
@@ -54,8 +54,9 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
     from softmax(logits / temperature) with the row's (seed, step) noise.
 
     logits: [B, V] float (columns contiguous, finite); sampling: B rows on the same device (its top-k
-    and top-p are ignored: ``sample_fused`` sends batches with such rows to ``top_k_top_p``); out: [B] int64
-    (allocated when not given). Allocates a [B, ceil(V / 4096)] scratch pair; capturable.
+    and top-p are ignored: ``sample_fused`` sends batches with such rows to
+    ``graphrt.sampling.top_k_top_p``); out: [B] int64 (allocated when not given). Allocates a
+    [B, ceil(V / 4096)] scratch pair; capturable.
     """
     if logits.dim() == 2 and sampling.batch_size != logits.shape[0]:  # other shapes: two_pass_argmax says
         raise ValueError(f"logits have {logits.shape[0]} rows, sampling tensors {sampling.batch_size}")
@@ -70,9 +71,9 @@ def sample_temperature(logits: torch.Tensor, sampling: SamplingTensors, out: tor
 
 
 def sample_fused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``graphrt.sampler.sample``'s contract on the fused kernels: greedy rows take the argmax,
+    """``graphrt.sampling.sampler.sample``'s contract on the fused kernels: greedy rows take the argmax,
     temperature-only rows the fused race above; when any row sets top-k / top-p, the whole batch takes
-    ``graphrt.kernels.top_k_top_p``, which races temperature-only rows exactly as above and filters the
+    ``graphrt.sampling.top_k_top_p``, which races temperature-only rows exactly as above and filters the
     others without sorting. A row's token depends on its own parameters only, never on what else shares
     the batch. logits: [B, V]; returns ``out``: [B] int64. Capturable (the kernels run are chosen by
     ``sampling``'s host flags, the per-row choice on the device)."""

@@ -1,6 +1,6 @@
 """Top-k / top-p sampling without sorting the vocabulary.
 
-``graphrt.sampler.sample`` filters in sorted order: it sorts each row of ``x = logits / temperature``
+``graphrt.sampling.sampler.sample`` filters in sorted order: it sorts each row of ``x = logits / temperature``
 (descending, ties to the lower token id), keeps the first ``k`` positions, then every position whose
 preceding mass is ``< p`` times the kept mass, and races the survivors. The kept set is therefore
 always a prefix of that order: every token above a boundary value, plus the first ``c`` (by id) of the
@@ -36,7 +36,7 @@ tokens equal to it. These kernels find that boundary by search instead of a sort
 4. ``_filtered_race_kernel``: how many of the equal tokens survive (top-k: ``k`` minus those above;
    top-p: those whose preceding mass ``mass_above + rank * w`` stays below the target), each token's
    rank among them (the counts of the chunks before plus a running sum), and the exponential race over
-   the survivors, as ``graphrt.kernels.sampling`` races them; ``graphrt.kernels.argmax`` then picks
+   the survivors, as ``graphrt.sampling.fused`` races them; ``graphrt.sampling.argmax`` then picks
    each row's best chunk.
 
 The kept set is the sorted path's, except where float32 sums decide differently: masses are summed per
@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sampler import SamplingTensors
-from .argmax import store_chunk_best, two_pass_argmax
-from .race_noise import log_race_noise, scale_logits, temperature_divisor
+from graphrt.sampling.argmax import store_chunk_best, two_pass_argmax
+from graphrt.sampling.race_noise import log_race_noise, scale_logits, temperature_divisor
+from graphrt.sampling.sampler import SamplingTensors
 
 #: Keys a search pass evaluates in a row's interval; each pass narrows it sixteenfold.
 THRESHOLDS = 16
@@ -105,7 +105,7 @@ def _entries(logits_ptr, row, stride_row, cols, in_vocab, temperature, KEY16: tl
     """(x, key) of the entries ``cols``: ``x = logits / temperature`` in float32 (the raw logits for greedy
     rows; -inf outside the vocabulary) and an int32 key ordered as x, with -0.0 keyed as 0.0 since they
     compare equal (outside the vocabulary: the int32 minimum). EXACT: x divided as the sorting path
-    divides (IEEE, several times the cost of the GPU's approximate division); needed where x decides an
+    divides (IEEE, dearer than the GPU's approximate division); needed where x decides an
     order (float32 keys come from x, and the race), not where it only weighs (a mass is compared with
     a target up to float rounding anyway)."""
     raw = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf"))
@@ -450,7 +450,7 @@ def _filtered_race_kernel(
 
 def sample_top_k_top_p(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None,
                        max_chunk: int = MAX_CHUNK) -> torch.Tensor:
-    """One token per row with ``graphrt.sampler.sample``'s filtering convention, without sorting: greedy
+    """One token per row with ``graphrt.sampling.sampler.sample``'s filtering convention, without sorting: greedy
     rows take the argmax, rows with top-k / top-p race their kept tokens, the others the whole row.
 
     logits: [B, V] float16 / bfloat16 / float32 (columns contiguous; finite or -inf, at least one finite

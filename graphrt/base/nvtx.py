@@ -34,7 +34,7 @@ Each distinct message gets its event attributes (a registered string and a colou
 cached (at most ``MAX_CACHED_MESSAGES`` per kind, oldest dropped first), so a range on the hot path
 costs a dict lookup plus the domain's push and pop. Use the helpers as context managers::
 
-    from graphrt import nvtx
+    from graphrt.base import nvtx
     with nvtx.decode(batch):
         with nvtx.decode_prepare():
             refresh_static_inputs()
@@ -83,7 +83,7 @@ class _NullRange:
 
     Both hooks are ``"".format``, a C builtin that accepts any arguments and returns ``""``. A builtin
     stored on a class is not bound to the instance, so ``with`` calls it directly: no Python frame,
-    about 40% cheaper than two ``def`` hooks; ``""`` is falsy, so exceptions propagate.
+    cheaper than two ``def`` hooks; ``""`` is falsy, so exceptions propagate.
     """
 
     __slots__ = ()

@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .errors import GraphrtError, InvalidRequestError, ModelLoadError
+from graphrt.base.errors import GraphrtError, InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     import gguf

@@ -1,7 +1,7 @@
 """Greedy token choice: the argmax of each logits row, in two short passes over the vocabulary.
 
-``torch.argmax`` reduces a row in one thread block, which for one 128k-token row takes ~35 us on the
-H200 (the step's largest kernel after the GEMMs at batch 1). Here every row is split into chunks
+``torch.argmax`` reduces a row in one thread block, so at batch 1 one SM walks the whole vocabulary
+(128k entries for Llama 3) while the others idle. Here every row is split into chunks
 reduced in parallel (pass 1: max and first index per chunk), then each row's chunk winners are
 reduced (pass 2). Ties go to the lowest token id, as with ``torch.argmax``; the logits are read in
 their own dtype (upcasting is exact, so no float32 copy is needed).

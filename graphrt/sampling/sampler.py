@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .sampling_params import SEED_LIMIT, SamplingParams
+from graphrt.sampling.params import SEED_LIMIT, SamplingParams
 
 __all__ = [
     "SamplingTensors",

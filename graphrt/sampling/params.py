@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidRequestError
+from graphrt.base.errors import InvalidRequestError
 
 #: Seeds are stored in an int64 tensor on the device, so they must fit in a non-negative int64.
 SEED_LIMIT = 2**63
@@ -44,7 +44,7 @@ class SamplingParams:
             turns the filter off.
         top_p: nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose
             probability sums to at least ``top_p`` (computed after temperature and top-k; see
-            ``graphrt.sampler``). ``1.0`` turns the filter off.
+            ``graphrt.sampling.sampler``). ``1.0`` turns the filter off.
         seed: makes this request's random draws reproducible, whatever else is in the batch:
             an int in [0, 2**63). ``None`` lets the engine pick one when the request arrives.
         stop_token_ids: generation stops after any of these token ids is produced (ids >= 0);
@@ -53,7 +53,7 @@ class SamplingParams:
             ``max_tokens`` or a stop token.
         logprobs: None (off), or k >= 0: each generated token comes with its float32 log
             probability under the model (``log_softmax`` of the raw logits, before temperature
-            and filters), its rank, and the k most likely tokens with theirs (``graphrt.logprobs``;
+            and filters), its rank, and the k most likely tokens with theirs (``graphrt.sampling.logprobs``;
             all of them when k exceeds the vocabulary). The engine refuses a k above its
             ``EngineConfig.max_logprobs``.
         prompt_logprobs: None (off), or k >= 0: the same for every prompt token after the first,

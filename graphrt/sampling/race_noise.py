@@ -1,7 +1,7 @@
-"""The exponential race's noise in Triton, bit-identical to ``graphrt.sampler.uniform_noise``, and the
+"""The exponential race's noise in Triton, bit-identical to ``graphrt.sampling.sampler.uniform_noise``, and the
 temperature scaling the race applies to the logits.
 
-``graphrt.sampler.sample`` draws token ``argmax_i w_i / E_i`` with ``E_i = -log(U_i)`` and ``U_i`` a
+``graphrt.sampling.sampler.sample`` draws token ``argmax_i w_i / E_i`` with ``E_i = -log(U_i)`` and ``U_i`` a
 counter-based hash of (seed, step, token id). The fused samplers race in the log domain instead:
 ``x_i - log(E_i)`` with ``x = logits / temperature`` has the same argmax (the row's max, subtracted
 in ``w``, is a constant), so they need only ``-log(E_i)``, which ``log_race_noise`` returns.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The constants of graphrt.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
+# The constants of graphrt.sampling.sampler's hash and row keys (lowbias32 and two salts); constexpr globals,
 # the only kind a compiled Triton kernel may read.
 _MUL1 = tl.constexpr(0x7FEB352D)
 _MUL2 = tl.constexpr(0x846CA68B)
@@ -22,7 +22,7 @@ _KEY2_SALT = tl.constexpr(0xBB67AE85)
 
 @triton.jit
 def _hash32(x):
-    """lowbias32 on uint32 values (multiplication wraps mod 2**32), as ``graphrt.sampler.hash32``."""
+    """lowbias32 on uint32 values (multiplication wraps mod 2**32), as ``graphrt.sampling.sampler.hash32``."""
     x = x ^ (x >> 16)
     x = x * tl.full((), _MUL1, tl.uint32)
     x = x ^ (x >> 15)
@@ -35,7 +35,7 @@ def _hash32(x):
 def log_race_noise(cols, seed, step):
     """``-log(-log(U))`` for token ids ``cols`` (any shape, int32) of a row with 64-bit ``seed`` and
     ``step`` (int64 scalars): float32, the same shape. ``U`` is ``uniform_noise``'s value bit for bit."""
-    # Row keys from the 64-bit seed and step, chained as graphrt.sampler._row_keys does.
+    # Row keys from the 64-bit seed and step, chained as graphrt.sampling.sampler._row_keys does.
     s_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     s_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     t_lo = (step & 0xFFFFFFFF).to(tl.uint32)
@@ -63,6 +63,6 @@ def temperature_divisor(temperature):
 @triton.jit
 def scale_logits(logits, temperature):
     """float32 ``logits / temperature`` rounded as torch divides it (IEEE; Triton's ``/`` is approximate
-    on the GPU), so that the fused samplers scale exactly as ``graphrt.sampler`` does; greedy rows
+    on the GPU), so that the fused samplers scale exactly as ``graphrt.sampling.sampler`` does; greedy rows
     (temperature 0) keep their logits."""
     return tl.math.div_rn(logits, temperature_divisor(temperature))

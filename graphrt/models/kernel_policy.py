@@ -1,0 +1,101 @@
+"""Which kernels a model runs, decided once when it is built: fused Triton kernels or the unfused torch
+reference, matrix-vector (GEMV) layers for one-token forwards or cuBLAS GEMMs, plain or programmatic
+dependent launches, and the fused samplers or the sorting one.
+
+The GEMV layers fuse a layer's norms, SiLU * up and residual adds into its four matrix-vector products
+(``graphrt.kernels.gemv``). That saves the fixed cost of the separate small kernels, while cuBLAS
+streams the largest matrices a little faster, so they pay only up to a layer size; launched as
+programmatic dependents, each kernel's start overlaps the previous one's end, which moves that size
+up. The sizes are measured, and ``GemvThresholds.measured_on`` says where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.sampling.sampler import SamplingTensors, sample
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GemvThresholds:
+    """Where the GEMV layers beat cuBLAS with separate norm and activation kernels."""
+
+    #: Forwards of at most this many tokens may run the GEMV layers (their kernels are built for one
+    #: row: decode at batch 1, or a one-token prompt).
+    max_tokens: int
+    #: Largest decoder layer, in bytes of its four linear weights, run on GEMV kernels launched plainly.
+    max_layer_bytes: int
+    #: The same bound for kernels launched as programmatic dependents.
+    max_dependent_layer_bytes: int
+    #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
+    measured_on: str
+
+
+#: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
+#: sizes and lost at Llama-3-8B's; the bound lies between. As dependents they won at every measured
+#: size, so the bound sits just above the largest; larger layers keep cuBLAS until measured.
+GEMV_THRESHOLDS = GemvThresholds(
+    max_tokens=1,
+    max_layer_bytes=256 << 20,
+    max_dependent_layer_bytes=512 << 20,
+    measured_on="NVIDIA H200 (sm_90), bfloat16, one token through one decoder layer; profiles/notes_fusion.md",
+)
+
+
+def layer_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's four linear weights (QKV, O, gate/up, down) in ``dtype``."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    elements = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The kernel strategy of one model, fixed at build time (``choose``); layers read it, never decide.
+
+    fused: Triton kernels for the layers' elementwise work (add + RMSNorm, rotary + KV-cache write,
+    SiLU * up) and the fused samplers; False = the unfused torch ops and the sorting sampler, kept as
+    the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
+    dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
+    each layer on GEMV kernels (0 = never).
+    """
+
+    fused: bool = False
+    dependent_launch: bool = False
+    gemv_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dependent_launch and not self.fused:
+            raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
+        if self.gemv_max_tokens and not self.fused:
+            raise ValueError("GEMV layers need fused_kernels=True")
+
+    @classmethod
+    def choose(cls, config: ModelConfig, dtype: torch.dtype, fused: bool, dependent_launch: bool = False,
+               thresholds: GemvThresholds = GEMV_THRESHOLDS) -> KernelPolicy:
+        """The policy for a model of ``config`` in ``dtype``: GEMV layers when fused and the layer is
+        within the measured bound for the launch mode."""
+        if dependent_launch and not fused:
+            raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
+        bound = thresholds.max_dependent_layer_bytes if dependent_launch else thresholds.max_layer_bytes
+        gemv = fused and config.num_hidden_layers > 0 and layer_weight_bytes(config, dtype) <= bound
+        return cls(fused=fused, dependent_launch=dependent_launch,
+                   gemv_max_tokens=thresholds.max_tokens if gemv else 0)
+
+    def runs_gemv(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens runs the GEMV layers."""
+        return 0 < num_tokens <= self.gemv_max_tokens
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row of ``logits`` [B, V] float32 -> [B] int64 (into ``out`` when given): the
+        fused samplers with fused kernels, else the sorting sampler; both draw from the same noise."""
+        if self.fused:
+            from graphrt.sampling.fused import sample_fused  # imports Triton: only where it runs
+
+            return sample_fused(logits, sampling, out=out)
+        tokens = sample(logits, sampling)
+        return tokens if out is None else out.copy_(tokens)

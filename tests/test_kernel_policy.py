@@ -1,0 +1,63 @@
+"""The kernel policy a model is built with: chosen once from the measured GEMV bounds, refused where
+its options contradict each other, and the one place a model's token choice is made."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphrt.attention.reference import ReferenceAttentionBackend
+from graphrt.loader.random_presets import PRESETS
+from graphrt.models.kernel_policy import GEMV_THRESHOLDS, KernelPolicy, layer_weight_bytes
+from graphrt.models.llama import LlamaForCausalLM
+from graphrt.sampling.params import SamplingParams
+from graphrt.sampling.sampler import SamplingTensors, sample
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3-8b"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_bytes_are_the_built_layers_weights(preset, dtype):
+    model = LlamaForCausalLM(PRESETS[preset], ReferenceAttentionBackend, 64, dtype, "meta")
+    layer = model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert layer_weight_bytes(PRESETS[preset], dtype) == sum(linear.weight.nbytes for linear in linears)
+
+
+def test_the_bounds_come_from_the_thresholds_given():
+    config = PRESETS["smollm2-135m"]
+    size = layer_weight_bytes(config, torch.bfloat16)
+    tight = dataclasses.replace(GEMV_THRESHOLDS, max_layer_bytes=size - 1, max_dependent_layer_bytes=size)
+    assert KernelPolicy.choose(config, torch.bfloat16, True, thresholds=tight).gemv_max_tokens == 0
+    assert KernelPolicy.choose(config, torch.bfloat16, True, True, thresholds=tight).gemv_max_tokens == 1
+    assert "H200" in GEMV_THRESHOLDS.measured_on and "profiles/notes" in GEMV_THRESHOLDS.measured_on
+
+
+def test_contradicting_options_are_refused():
+    with pytest.raises(ValueError, match="dependent_launch needs fused_kernels"):
+        KernelPolicy(fused=False, dependent_launch=True)
+    with pytest.raises(ValueError, match="GEMV layers need fused_kernels"):
+        KernelPolicy(fused=False, gemv_max_tokens=1)
+    with pytest.raises(ValueError, match="dependent_launch needs fused_kernels"):
+        KernelPolicy.choose(PRESETS["tiny"], torch.float32, False, True)
+
+
+@pytest.mark.parametrize("tokens,runs", [(0, False), (1, True), (2, False)])
+def test_gemv_layers_run_for_one_token_only(tokens, runs):
+    assert KernelPolicy(fused=True, gemv_max_tokens=1).runs_gemv(tokens) is runs
+    assert KernelPolicy(fused=True).runs_gemv(tokens) is False
+
+
+def test_unfused_sampling_is_the_sorting_sampler_into_out():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 97, generator=generator)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=7),
+              SamplingParams(temperature=1.1, top_p=0.6), SamplingParams(temperature=0.5), SamplingParams()]
+    rows = SamplingTensors.from_params(params, seeds=[11, 12, 13, 14, 15], steps=[0, 1, 2, 3, 4],
+                                       device=torch.device("cpu"))
+    out = torch.full((5,), -7, dtype=torch.int64)
+    policy = KernelPolicy()
+    assert policy.sample(logits, rows, out=out) is out
+    assert torch.equal(out, sample(logits, rows))
+    assert torch.equal(policy.sample(logits, rows), out)
