@@ -17,8 +17,6 @@ replays; the HBM read bandwidth of the same run is recorded beside.
     python profiles/bench_gemv.py --json profiles/results/gemv_h200.json
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import json

@@ -12,12 +12,13 @@ A simulated decode step nests the ranges a real one emits: ``step`` > ``schedule
 ``decode.eager`` on the eager path (4 ranges), or ``decode`` > ``decode.prepare`` + ``decode.replay``
 on the graph path (5 ranges; a graph samples inside the replay, so no ``sample`` range). Figures are the best of
 several repeats, minus the cost of calling an empty function; raw ``push_range``/``pop_range`` with
-pre-built attributes and ``nvtx.annotate`` are measured alongside for comparison (DESIGN.md §6).
+pre-built attributes and ``nvtx.annotate`` are measured alongside for comparison.
 
-    python profiles/bench_nvtx_overhead.py [--json profiles/results/nvtx_overhead_cpu.json]
+    python profiles/bench_nvtx_overhead.py [--json nvtx_overhead.json]
+
+Runs on any machine (no GPU needed: it times host calls); the tool is built from tests/nvtx_injection.c
+when a C compiler and the NVTX headers are available, otherwise ``on_tool`` is skipped.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -48,7 +49,7 @@ def _time_ns(fn, iterations: int, repeats: int) -> tuple[float, float]:
 
 
 def _cases(nvtx) -> dict:
-    """Benchmark bodies over graphrt.nvtx; each runs one range (or one simulated step)."""
+    """Benchmark bodies over graphrt.base.nvtx; each runs one range (or one simulated step)."""
 
     def static_range():
         with nvtx.range("step"):
@@ -125,7 +126,7 @@ def _raw_cases() -> dict:
 
 def _child(state: str, iterations: int, repeats: int) -> dict:
     """Measure in this process (its environment already set for ``state``)."""
-    from graphrt import nvtx
+    from graphrt.base import nvtx
 
     enabled = nvtx.configure(layers=state == "on_tool")  # layers too, so the layer case is measured on
 

@@ -14,8 +14,6 @@ One run measures, on one CUDA device:
     python profiles/bench_paged_decode.py --json profiles/results/paged_decode_h200.json
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math
@@ -169,7 +167,7 @@ class XFormersSplitK:
         calls = [self.make(pool, torch.randn(batch, NUM_HEADS, HEAD_SIZE, device=pool.device, dtype=DTYPE), t,
                            [context] * batch) for t in tables]
         extra = {}
-        if (batch, context) == HEADLINE:  # eager too: Python per call, as DESIGN's 0.434 ms was taken
+        if (batch, context) == HEADLINE:  # eager too: one call from Python, host included
             extra["ms_eager"] = do_bench(calls[0], warmup=25, rep=100, return_mode="median")
         try:
             ms, mode = time_graph(lambda i: calls[i](), copies), "graph"

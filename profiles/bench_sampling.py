@@ -1,20 +1,23 @@
 """Token sampling alone, side by side: each sampler captured in a CUDA graph over [B, V] logits.
 
-* ``greedy``: the two-pass argmax (``graphrt.kernels.argmax``);
-* ``temperature``: the fused temperature race (``graphrt.kernels.sampling.sample_temperature``);
-* ``search``: top-k / top-p by threshold search (``graphrt.kernels.top_k_top_p``), rows with top-p 0.9,
+* ``greedy``: the two-pass argmax (``graphrt.sampling.argmax``);
+* ``temperature``: the fused temperature race (``graphrt.sampling.fused.sample_temperature``);
+* ``search``: top-k / top-p by threshold search (``graphrt.sampling.top_k_top_p``), rows with top-p 0.9,
   and with top-k 50 and top-p 0.9;
-* ``sort``: the same rows on the sorting sampler (``graphrt.sampler.sample``), what the fused path ran
+* ``sort``: the same rows on the sorting sampler (``graphrt.sampling.sampler.sample``), what the fused path ran
   before the search.
 
-bf16 logits of a 128k vocabulary (Llama 3) by default, random values scaled by 4 (a spread like a
-model's); medians of 50 replays. Prints a table and writes ``--json``; ``tokens_equal`` says whether the
-search drew the sort's tokens (information, not a check: float32 near-ties may differ).
+Logits of a 128k vocabulary (Llama 3), random values scaled by 4 (a spread like a model's); float32 by
+default, as the LM head writes them (``--logits-dtype bfloat16``: 16-bit logits, whose search takes 14
+launches where float32's takes 22). Medians of 50 replays. Prints a table and writes ``--json``;
+``tokens_equal`` says whether the search drew the sort's tokens (information, not a check: float32
+near-ties may differ).
 
-    python profiles/bench_sampling.py --json profiles/results/sampling_h200.json
+    python profiles/bench_sampling.py --json sampling.json
+    python profiles/bench_sampling.py --logits-dtype bfloat16   # how results/sampling_h200.json was run
+
+CUDA only.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -22,11 +25,11 @@ import json
 import torch
 
 from graphrt.bench import median_replay_ms
-from graphrt.kernels.argmax import argmax_rows
-from graphrt.kernels.sampling import sample_temperature
-from graphrt.kernels.top_k_top_p import sample_top_k_top_p
-from graphrt.sampler import SamplingTensors, sample
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling.argmax import argmax_rows
+from graphrt.sampling.fused import sample_temperature
+from graphrt.sampling.top_k_top_p import sample_top_k_top_p
+from graphrt.sampling.sampler import SamplingTensors, sample
+from graphrt.sampling.params import SamplingParams
 
 
 def graph_ms(op, replays: int = 50) -> float:
@@ -45,16 +48,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--logits-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    logits_dtype = getattr(torch, args.logits_dtype)
     rows_of = {
         "top_p": SamplingParams(temperature=0.8, top_p=0.9),
         "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
     }
-    results = {"device": torch.cuda.get_device_name(), "vocab": args.vocab, "points": []}
+    results = {"device": torch.cuda.get_device_name(), "vocab": args.vocab, "logits_dtype": args.logits_dtype,
+               "points": []}
     print(f"{'batch':>5} {'rows':>12} {'greedy':>8} {'temp':>8} {'search':>8} {'sort':>8} {'sort/search':>11}  (ms)")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        logits = (torch.randn(batch, args.vocab, device="cuda") * 4).to(torch.bfloat16)
+        logits = (torch.randn(batch, args.vocab, device="cuda") * 4).to(logits_dtype)
         out = torch.empty(batch, dtype=torch.int64, device="cuda")
         for name, params in rows_of.items():
             rows = SamplingTensors.from_params([params] * batch, list(range(batch)), [7] * batch, "cuda")

@@ -1,7 +1,8 @@
 """Engine start-up with CUDA-graph capture: ``load`` (checkpoint, model, weights), the KV-cache sizing
 (on CUDA without --num-kv-blocks: a profiling prefill), the side-stream warm-up, then one
-``capture bucket=P`` range per captured graph (two per bucket: greedy and sampling), largest bucket
-first. On CPU nothing is captured (the runner decodes eagerly); the script still runs.
+``capture bucket=P`` range per captured graph (one per sampling mode: greedy, temperature, top-k /
+top-p, logprobs), largest bucket first. On CPU nothing is captured (the runner decodes eagerly); the
+script still runs.
 
 Nsight Systems:
 
@@ -10,8 +11,6 @@ Nsight Systems:
 
 torch.profiler (the whole start-up): the same command with ``--torch-profile capture.json``.
 """
-
-from __future__ import annotations
 
 import argparse
 import json

@@ -20,15 +20,13 @@ Add ``--capture-range=cudaProfilerApi --capture-range-end=stop`` to record only 
 torch.profiler: the same command with ``--torch-profile mixed.json``.
 """
 
-from __future__ import annotations
-
 import argparse
 import random
 import statistics
 import sys
 import time
 
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling.params import SamplingParams
 from graphrt.cli import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine

@@ -1,149 +1,107 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU tests, benchmarks and profiles for the fusion work (issue 6), writing
-# everything under $OUT (default ./h200_out). Run from the repository root on a CUDA machine with graphrt
-# installed. Stages (default: all but tests-all, in this order): tests, bench-1b, bench-smollm2, bench-8b,
-# bench-sampling (the samplers alone, then engine steps with temperature, top-p and top-k + top-p),
-# dependent, gemv, profile, host, nvtx. Others: tests-all (every gpu-marked test), tests-engine (those of
-# the decode runner and engine), tests-sampling (the samplers'), profile-8b (the 8B's batch-1 step with
-# plain and dependent launches), gemv-tma (the TMA experiment), few-rows (the 2-16-row kernel's sweep),
-# few-rows-norm-after (its layers with the norm after the products), decode-splits (the attention's split
-# counts at head size 64), step-tiles and step-attention (tiles and split counts timed inside the step), attention-floor (the attention against a bare kernel in its place), decode-big-tile (longer K/V tiles at batch 1 and 8), merge-tile (the merge's tile size), grid-barrier (a phase dependency's cost as a
-# kernel boundary and as a grid barrier). profiles/notes_fusion.md says what each measured.
+# The benchmarks and profiles behind the committed results, by stage, writing everything under $OUT
+# (default ./h200_out) with the file names results/ uses (suffix _$TAG, default h200). Run from the
+# repository root on a CUDA machine with graphrt installed; each stage fits in a few minutes on the H200.
+#
+#   bash profiles/run_h200.sh                          # the default stages: bench-1b bench-smollm2 bench-8b
+#   bash profiles/run_h200.sh profile sampling nvtx    # or any stages, in that order
+#
+# Stages:
+#   bench-1b, bench-smollm2, bench-8b  graphrt bench, fused with the unfused path beside (notes_fusion.md)
+#   bench-headline                     graphrt bench of the 1B at batch 1, 64, 256 (the README's figures)
+#   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
+#   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
+#   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
+#   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
+#   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
+#   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
+# GPU tests are not here: tests/gpu_stages.sh runs them.
 set -uo pipefail
 OUT=${OUT:-h200_out}
+TAG=${TAG:-h200}
 mkdir -p "$OUT"
-stages=${*:-tests bench-1b bench-smollm2 bench-8b bench-sampling dependent gemv profile host nvtx}
+stages=${*:-bench-1b bench-smollm2 bench-8b}
 log() { echo "== $(date +%T) $*"; }
+status=0
 
 for stage in $stages; do
   case $stage in
-    tests)
-      log "gpu tests: fused kernels, engines vs HF and vs unfused, graphs"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_gemv.py tests/test_dependent_launch.py tests/test_qkv_rope_cache.py tests/test_triton_paged_decode.py \
-        tests/test_gpu_engine.py tests/test_gpu_graphs.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" | tee "$OUT/gpu_tests.log" | tail -60
-      ;;
-    tests-engine)
-      log "gpu tests of the decode runner and engine (graphs, pipelined steps, HF agreement, dependent launches)"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_engine.py \
-        tests/test_dependent_launch.py -s 2>&1 | grep -v "set_sync_debug_mode\|^  *torch._C\|^$" \
-        | tee "$OUT/gpu_tests_engine.log" | tail -30
-      ;;
-    tests-all)
-      log "every gpu-marked test"
-      python -m pytest -q -m gpu -p no:cacheprovider tests -s 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -40
-      ;;
     bench-1b)
-      log "bench llama-3.2-1b, ctx 512 and 4096 (fused, unfused beside)"
+      log "graphrt bench llama-3.2-1b, contexts 512 and 4096 (fused, unfused beside)"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --contexts 512,4096 --compare-unfused \
-        --json "$OUT/bench_llama1b.json" --plot "$OUT/bench_llama1b.png"
+        --json "$OUT/bench_llama1b_$TAG.json" --plot "$OUT/bench_llama1b_$TAG.png" || status=1
       ;;
     bench-smollm2)
-      log "bench smollm2-135m, ctx 512"
+      log "graphrt bench smollm2-135m, context 512"
       graphrt bench --model random:smollm2-135m --batch-sizes 1,8,64,256 --compare-unfused \
-        --json "$OUT/bench_smollm2.json"
+        --json "$OUT/bench_smollm2_$TAG.json" || status=1
       ;;
     bench-8b)
-      log "bench llama-3-8b, ctx 512"
+      log "graphrt bench llama-3-8b, context 512"
       graphrt bench --model random:llama-3-8b --batch-sizes 1,8,64,256 --compare-unfused \
-        --json "$OUT/bench_llama8b.json"
+        --json "$OUT/bench_llama8b_$TAG.json" || status=1
       ;;
-    bench-sampling)
-      log "sampling alone: argmax, temperature race, top-k/top-p search and sort, side by side"
-      python profiles/bench_sampling.py --json "$OUT/sampling.json"
-      log "bench llama-3.2-1b ctx 512: temperature 0.8, then top-p 0.9 and top-k 50 + top-p 0.9 (threshold search)"
-      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 \
-        --json "$OUT/bench_llama1b_temperature.json"
-      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-p 0.9 \
-        --json "$OUT/bench_llama1b_top_p.json"
-      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 --temperature 0.8 --top-k 50 --top-p 0.9 \
-        --json "$OUT/bench_llama1b_top_k_top_p.json"
-      ;;
-    tests-sampling)
-      log "gpu tests of the samplers (threshold search against the sorting sampler, capture)"
-      python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k_top_p.py tests/test_fused_kernels.py -k "sampl or argmax" \
-        2>&1 | tee "$OUT/gpu_tests_sampling.log" | tail -15
-      ;;
-    dependent)
-      log "decode steps with plain and dependent kernel launches, side by side"
-      python profiles/bench_dependent_launch.py --json "$OUT/dependent_launch.json"
-      ;;
-    gemv)
-      log "batch-1 GEMV kernels against cuBLAS: per layer, LM head, tile sweep"
-      python profiles/bench_gemv.py --json "$OUT/gemv.json"
-      ;;
-    decode-splits)
-      log "paged decode split counts at head size 64 (1B, SmolLM2 shapes)"
-      python profiles/bench_decode_splits.py --json "$OUT/decode_splits.json"
-      ;;
-    decode-big-tile)
-      log "paged decode at batch 1 and 8, context 512: K/V tiles of 128-512 tokens, 4 and 8 warps, every split count"
-      python profiles/bench_decode_splits.py --points 1x512 8x512 --block-n 128 256 512 --num-warps 4 8 \
-        --json "$OUT/decode_big_tile.json"
-      ;;
-    merge-tile)
-      log "paged decode: the merge's tile (registers) at 1-8 rows, context 4096"
-      python profiles/bench_decode_splits.py --merge-tiles 8192 2048 --points 1x4096 2x4096 3x4096 4x4096 8x4096 \
-        --json "$OUT/merge_tile.json"
-      ;;
-    grid-barrier)
-      log "a phase dependency as a dependent kernel launch against a grid barrier in a persistent kernel"
-      timeout 120 python profiles/bench_grid_barrier.py --json "$OUT/grid_barrier.json"
-      ;;
-    few-rows)
-      log "decode layers at 2-16 rows: the few-rows tensor-core kernel against cuBLAS and the norm/SiLU kernels"
-      python profiles/bench_few_rows.py --json "$OUT/few_rows.json"
-      ;;
-    few-rows-norm-after)
-      log "decode layers at 2-16 rows: the few-rows kernel with the norm applied after the products (measured tiles)"
-      python profiles/bench_few_rows.py --tiles-from profiles/results/few_rows_h200.json \
-        --json "$OUT/few_rows_norm_after.json"
-      ;;
-    gemv-tma)
-      log "batch-1 GEMV: register loads against TMA-pipelined weight slices"
-      python profiles/bench_gemv_tma.py --json "$OUT/gemv_tma.json"
-      ;;
-    step-tiles)
-      log "batch-1 GEMV tiles timed inside the captured step (change 21)"
-      python profiles/bench_step_tiles.py --json "$OUT/step_tiles.json"
-      ;;
-    attention-floor)
-      log "the batch-1 step: the paged decode, without its merge, a bare kernel in its place"
-      python profiles/bench_attention_floor.py --json "$OUT/attention_floor.json"
-      ;;
-    step-attention)
-      log "batch-1 split counts and K/V tiles timed inside the captured step, then the short-context rule (change 22)"
-      python profiles/bench_step_attention.py --json "$OUT/step_attention.json"
-      python profiles/bench_step_attention.py --compare-rule --json "$OUT/short_context_rule.json"
+    bench-headline)
+      log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,64,256 --steps 20 \
+        --json "$OUT/bench_llama1b_headline_$TAG.json" || status=1
       ;;
     profile)
-      for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "smollm2-135m 1"; do
+      # model batch context: the points of notes_fusion.md's per-point table
+      for spec in "llama-3.2-1b 1 512" "llama-3.2-1b 1 4096" "llama-3.2-1b 8 512" "llama-3.2-1b 8 4096" \
+                  "llama-3.2-1b 64 512" "llama-3-8b 1 512" "llama-3-8b 8 512" "llama-3-8b 64 512" "smollm2-135m 1 512"; do
         set -- $spec
-        log "profile $1 batch $2"
-        graphrt profile --model "random:$1" --batch-size "$2" --trace "/tmp/trace_$1_$2.json.gz" \
-          --json "$OUT/profile_$1_b$2.json" | head -45
+        suffix=$([ "$3" = 512 ] && echo "" || echo "_ctx$3")
+        log "graphrt profile $1 batch $2 context $3"
+        graphrt profile --model "random:$1" --batch-size "$2" --context "$3" --trace "/tmp/trace_$1_b$2_$3.json.gz" \
+          --json "$OUT/exposed_$1_b$2${suffix}_$TAG.json" > "$OUT/exposed_$1_b$2${suffix}_$TAG.txt" || status=1
+        head -45 "$OUT/exposed_$1_b$2${suffix}_$TAG.txt"
       done
       ;;
-    profile-8b)
-      # The 8B batch-1 step did not speed up with the measured GEMV tiles although its layers did in
-      # bench_gemv (notes_fusion.md, "Where it stands"): the step as run (GEMV layers, dependent launches;
-      # kernel times include their waits), then plainly launched (its layers then on cuBLAS) to compare.
-      for launch in "" "--plain-launch"; do
-        log "profile llama-3-8b batch 1 ${launch:-(dependent launches)}"
-        graphrt profile --model random:llama-3-8b --batch-size 1 $launch --trace "/tmp/trace_8b_b1$launch.json.gz" \
-          --json "$OUT/profile_llama-3-8b_b1${launch:+_plain}.json" | head -45
-      done
+    gemv)
+      log "batch-1 GEMV kernels against cuBLAS: tile sweep, per layer, LM head"
+      python profiles/bench_gemv.py --json "$OUT/gemv_$TAG.json" || status=1
       ;;
-    host)
-      python profiles/pinned_copy_probe.py
-      for spec in "llama-3.2-1b 1 512 --cprofile" "llama-3.2-1b 64 512" "llama-3.2-1b 64 4096" "smollm2-135m 1 512"; do
+    paged-decode)
+      log "paged decode attention against the HBM read bandwidth"
+      python profiles/bench_paged_decode.py --json "$OUT/paged_decode_$TAG.json" || status=1
+      ;;
+    sampling)
+      log "the samplers alone (float32 logits, as the LM head writes them)"
+      python profiles/bench_sampling.py --json "$OUT/sampling_$TAG.json" || status=1
+      for spec in "temperature --temperature 0.8" "top_p --temperature 0.8 --top-p 0.9" \
+                  "top_k_top_p --temperature 0.8 --top-k 50 --top-p 0.9"; do
         set -- $spec
-        python profiles/host_step_breakdown.py --model "random:$1" --batch-size "$2" --context "$3" ${4:-}
+        name=$1; shift
+        log "graphrt bench llama-3.2-1b, context 512, $name"
+        graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 "$@" \
+          --json "$OUT/sampling_step_${name}_$TAG.json" || status=1
       done
       ;;
     nvtx)
       log "NVTX host cost, off and on"
-      python profiles/bench_nvtx_overhead.py --json "$OUT/nvtx_overhead_h200.json"
+      python profiles/bench_nvtx_overhead.py --json "$OUT/nvtx_overhead_$TAG.json" || status=1
+      ;;
+    nsys)
+      if ! command -v nsys > /dev/null; then
+        echo "nsys is not on PATH: stage nsys skipped" >&2; status=1; continue
+      fi
+      log "Nsight Systems: steady decode, mixed prefill and decode, start-up with capture"
+      nsys profile -t cuda,nvtx --cuda-graph-trace=node -o "$OUT/steady_decode" --force-overwrite true \
+        python profiles/steady_decode.py --batch-size 8 --context 512 --steps 32 || status=1
+      nsys profile -t cuda,nvtx --cuda-graph-trace=node -o "$OUT/mixed_prefill_decode" --force-overwrite true \
+        python profiles/mixed_prefill_decode.py --batch-size 8 --context 512 --prompt-len 256 --arrivals 8 \
+        --arrival-every 4 || status=1
+      nsys profile -t cuda,nvtx --cuda-graph-trace=node -o "$OUT/capture" --force-overwrite true \
+        python profiles/capture.py --max-num-seqs 64 || status=1
+      for report in steady_decode mixed_prefill_decode; do
+        nsys stats -r nvtx_sum,cuda_gpu_kern_sum "$OUT/$report.nsys-rep" > "$OUT/${report}_stats.txt" || status=1
+      done
+      ;;
+    *)
+      echo "unknown stage $stage" >&2; exit 2
       ;;
   esac
 done
 log done
+exit $status

@@ -20,15 +20,13 @@ torch.profiler (Chrome/Perfetto trace of the recorded steps, and a summary line)
         --torch-profile steady_decode.json
 """
 
-from __future__ import annotations
-
 import argparse
 import random
 import statistics
 import sys
 import time
 
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling.params import SamplingParams
 from graphrt.cli import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
