@@ -27,9 +27,9 @@ import torch
 from graphrt.bench import median_replay_ms
 from graphrt.sampling.argmax import argmax_rows
 from graphrt.sampling.fused import sample_temperature
-from graphrt.sampling.top_k_top_p import sample_top_k_top_p
-from graphrt.sampling.sampler import SamplingTensors, sample
 from graphrt.sampling.params import SamplingParams
+from graphrt.sampling.sampler import SamplingTensors, sample
+from graphrt.sampling.top_k_top_p import sample_top_k_top_p
 
 
 def graph_ms(op, replays: int = 50) -> float:

@@ -26,11 +26,11 @@ import statistics
 import sys
 import time
 
-from graphrt.sampling.params import SamplingParams
 from graphrt.cli import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
 from graphrt.profile import cuda_profiler_range, step_annotation, summarize_trace, torch_trace
+from graphrt.sampling.params import SamplingParams
 
 BLOCK_SIZE = 16
 
