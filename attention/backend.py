@@ -9,6 +9,7 @@ and everything else a decode graph reads belong to its runner (``graphrt.capture
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -119,10 +120,13 @@ class AttentionBackend(ABC):
         *,
         num_heads: int,
         head_size: int,
+        leading_fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]] = (),
     ) -> DecodeGraphState:
-        """Allocate every static tensor decode graphs read, once, at the largest bucket (backends with
-        kernel scratch space size it from ``num_heads`` and ``head_size``)."""
-        return DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device)
+        """Allocate the static attention tensors decode graphs read, once, at the largest bucket
+        (backends with kernel scratch space size it from ``num_heads`` and ``head_size``).
+        ``leading_fields``: the caller's own fields to share the pinned staging with, so one copy a
+        step refreshes both (``DecodeGraphState.allocate``); the backend does not read them."""
+        return DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device, leading_fields)
 
     @classmethod
     def graph_metadata(cls, state: DecodeGraphState, batch_size: int) -> AttentionMetadata:
@@ -138,7 +142,9 @@ class AttentionBackend(ABC):
         slot_mapping: list[int],
         padded_batch_size: int,
         block_table_versions: list[int] | None = None,
+        upload: bool = True,
     ) -> None:
-        """Before a replay: copy the real rows' attention metadata in and make padding rows inert
-        (slot -1, length 1, null block). See ``DecodeGraphState.refresh``."""
-        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, block_table_versions)
+        """Before a replay: write the real rows' attention metadata and make padding rows inert (slot -1,
+        length 1, null block), then copy it to the device (``upload=False``: the caller copies, see
+        ``DecodeGraphState.refresh``)."""
+        state.refresh(seq_lens, block_tables, slot_mapping, padded_batch_size, block_table_versions, upload)

@@ -7,6 +7,7 @@ step decodes and their positions belong to the graph runner (``graphrt.capture``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,9 +57,15 @@ class DecodeGraphState:
         return self.block_tables.shape[1]
 
     @classmethod
-    def allocate(cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device) -> DecodeGraphState:
+    def allocate(cls, max_batch_size: int, max_seq_len: int, block_size: int, device: torch.device,
+                 leading_fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]] = ()) -> DecodeGraphState:
+        """The state at the largest bucket, every row inert. ``leading_fields``: the caller's own
+        static fields ``(name, dtype, shape)``, placed first in the same pinned staging so that one
+        copy refreshes them and the attention metadata together (the graph runner's token inputs);
+        attention never reads them (``packed.device[name]`` / ``packed.host[name]`` are the caller's)."""
         batch, width = max_batch_size, -(-max_seq_len // block_size)
         packed = PackedStaging([
+            *leading_fields,
             ("slot_mapping", torch.int64, (batch,)),
             ("seq_lens", torch.int32, (batch,)),
             ("seq_start_loc", torch.int32, (batch + 1,)),
@@ -71,7 +78,7 @@ class DecodeGraphState:
         np.cumsum(host["seq_lens"], out=host["seq_start_loc"][1:])
         packed.upload(non_blocking=False)
         return cls(
-            **packed.device,
+            **{name: packed.device[name] for name in ("slot_mapping", "seq_lens", "seq_start_loc", "block_tables")},
             query_lens=torch.ones(batch, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
             packed=packed,
@@ -79,6 +86,11 @@ class DecodeGraphState:
             block_size=block_size,
             max_seq_len=max_seq_len,
         )
+
+    def bytes_in_use(self, padded_batch_size: int) -> int:
+        """Bytes of the staging buffer a refresh of ``padded_batch_size`` rows copies, from its start
+        (leading fields included) through those rows' block tables."""
+        return self.packed.bytes_through("block_tables", padded_batch_size)
 
     def metadata(self, batch_size: int) -> AttentionMetadata:
         """Decode metadata over the first ``batch_size`` rows: views, so a graph captured with it reads
@@ -106,9 +118,12 @@ class DecodeGraphState:
         slot_mapping: list[int],
         padded_batch_size: int,
         block_table_versions: list[int] | None = None,
+        upload: bool = True,
     ) -> None:
         """Write the real rows, then padding rows up to ``padded_batch_size``, into the device tensors:
-        numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use.
+        numpy writes into the pinned staging buffer, then one non-blocking copy of the bytes in use
+        (``upload=False``: no copy; the caller, having written its leading fields too, copies
+        ``bytes_in_use(padded_batch_size)`` itself).
         Padding rows get slot -1, length 1 and the null block. ``block_table_versions`` (ints >= 0,
         equal only for equal tables; see ``graphrt.capture.DecodeBatch``) let a row whose table is
         already staged skip its conversion. Raises ValueError for a row that exceeds the captured
@@ -148,8 +163,8 @@ class DecodeGraphState:
         if padding.any():
             tables[batch:n][padding] = NULL_BLOCK
             staged[batch:n] = _PADDING
-        # Block-table rows past the padded batch are not read: the copy stops after row n.
-        self.packed.upload(self.packed.bytes_through("block_tables", n))
+        if upload:  # block-table rows past the padded batch are not read: the copy stops after row n
+            self.packed.upload(self.bytes_in_use(n))
 
 
 #: Staged-version markers: a row whose table version is unknown (always restaged), a padding row.

@@ -123,10 +123,11 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
     @classmethod
-    def init_graph_state(cls, max_batch_size, max_seq_len, block_size, device, *, num_heads, head_size):
+    def init_graph_state(cls, max_batch_size, max_seq_len, block_size, device, *, num_heads, head_size,
+                         leading_fields=()):
         from graphrt.attention.triton_paged_decode import DecodeWorkspace
 
-        state = DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device)
+        state = DecodeGraphState.allocate(max_batch_size, max_seq_len, block_size, device, leading_fields)
         state.extras[_WORKSPACE] = DecodeWorkspace.allocate(max_batch_size, num_heads, head_size, device=device)
         return state
 

@@ -1,6 +1,7 @@
 """The static token inputs of decode graphs: the id each row decodes, its position, and the source rows
 of a pipelined step's carried ids; allocated once at the largest bucket and refreshed in place from
-pinned host staging before every replay (the attention metadata beside them is the backend's)."""
+pinned host staging before every replay. The graph runner places them first in the attention state's
+staging (``AttentionBackend.init_graph_state``'s ``leading_fields``), so one copy refreshes both."""
 
 from __future__ import annotations
 
@@ -10,39 +11,48 @@ from graphrt.base.staging import PackedStaging
 
 
 class DecodeInputs:
-    """``input_ids`` [B] int64, ``positions`` [B] int64, ``carry_rows`` [B] int64 on the device, with
-    one pinned host mirror (``B`` = largest bucket). ``input_ids`` comes first in the buffer, so a
-    refresh that keeps the device's ids copies only what follows it."""
+    """``input_ids`` [B] int64, ``positions`` [B] int64, ``carry_rows`` [B] int64 on the device, views
+    of a ``PackedStaging`` that holds ``fields(B)`` (``B`` = largest bucket). ``input_ids`` comes first,
+    so a refresh that keeps the device's ids copies only what follows it."""
 
-    def __init__(self, max_batch_size: int, device: torch.device) -> None:
+    @staticmethod
+    def fields(max_batch_size: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         batch = max_batch_size
-        self.packed = PackedStaging([
-            ("input_ids", torch.int64, (batch,)),
-            ("carry_rows", torch.int64, (batch,)),
-            ("positions", torch.int64, (batch,)),
-        ], device)
-        self.packed.upload(non_blocking=False)
+        return [("input_ids", torch.int64, (batch,)), ("carry_rows", torch.int64, (batch,)),
+                ("positions", torch.int64, (batch,))]
+
+    def __init__(self, packed: PackedStaging) -> None:
+        self.packed = packed
         #: [B] int64: the token each row decodes; a step's sampled tokens are written here too.
-        self.input_ids = self.packed.device["input_ids"]
+        self.input_ids = packed.device["input_ids"]
         #: [B] int64: row i of a pipelined step takes the token that row ``carry_rows[i]`` sampled.
-        self.carry_rows = self.packed.device["carry_rows"]
+        self.carry_rows = packed.device["carry_rows"]
         #: [B] int64: each row's position (padding rows: 0).
-        self.positions = self.packed.device["positions"]
+        self.positions = packed.device["positions"]
+
+    @classmethod
+    def allocate(cls, max_batch_size: int, device: torch.device) -> DecodeInputs:
+        """Inputs in a staging of their own (the graph runner shares the attention state's instead)."""
+        packed = PackedStaging(cls.fields(max_batch_size), device)
+        packed.upload(non_blocking=False)
+        return cls(packed)
 
     @property
     def max_batch_size(self) -> int:
         return self.input_ids.shape[0]
 
-    def refresh(self, input_ids: list[int], positions: list[int], padded_batch_size: int,
-                keep_input_ids: bool = False, carry_rows: list[int] | None = None) -> None:
+    def write(self, input_ids: list[int], positions: list[int], padded_batch_size: int,
+              keep_input_ids: bool = False, carry_rows: list[int] | None = None) -> int:
         """Write one id and position per real row, zeros for padding rows up to ``padded_batch_size``,
-        then copy the bytes in use to the device (non-blocking).
+        into the pinned mirror only; returns the first byte the copy to the device must start at.
 
         ``keep_input_ids``: leave the device's ids as they are (``input_ids`` is ignored), for a
         pipelined step whose inputs are the previous step's samples, still on the device; padding
         rows then keep the ids they sampled (vocabulary ids like any other; a padding row's result
-        is never read). ``carry_rows`` (with ``keep_input_ids``): one source row per real row, staged
-        for the runner's gather. Waits first until the previous refresh's copy has read the mirror.
+        is never read), and the copy starts after them. ``carry_rows`` (with ``keep_input_ids``): one
+        source row per real row, staged for the runner's gather. The caller waits for the previous
+        copy first (``packed.wait_until_uploaded``). Raises ValueError, writing nothing, for shapes
+        that do not fit.
         """
         batch, n = len(positions), padded_batch_size
         if n > self.max_batch_size or batch > n:
@@ -51,7 +61,6 @@ class DecodeInputs:
             raise ValueError("carry_rows needs keep_input_ids and one source row per row")
         if not keep_input_ids and len(input_ids) != batch:
             raise ValueError(f"{len(input_ids)} input ids for {batch} positions")
-        self.packed.wait_until_uploaded()
         host = self.packed.host
         if not keep_input_ids:
             host["input_ids"][:batch] = input_ids
@@ -60,5 +69,11 @@ class DecodeInputs:
             host["carry_rows"][:batch] = carry_rows
         host["positions"][:batch] = positions
         host["positions"][batch:n] = 0
-        first = self.packed.field_start("carry_rows") if keep_input_ids else 0
-        self.packed.upload(self.packed.bytes_through("positions", n), first_byte=first)
+        return self.packed.field_start("carry_rows") if keep_input_ids else 0
+
+    def refresh(self, input_ids: list[int], positions: list[int], padded_batch_size: int,
+                keep_input_ids: bool = False, carry_rows: list[int] | None = None) -> None:
+        """``write``, then the non-blocking copy of the bytes in use (these fields only)."""
+        self.packed.wait_until_uploaded()
+        first = self.write(input_ids, positions, padded_batch_size, keep_input_ids, carry_rows)
+        self.packed.upload(self.packed.bytes_through("positions", padded_batch_size), first_byte=first)

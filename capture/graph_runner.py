@@ -39,7 +39,7 @@ from graphrt.capture.pending import HostBuffers, PendingTokens
 from graphrt.capture.static_sampling import StaticSampling
 from graphrt.capture.stats import DecodeStats, EagerReason
 from graphrt.sampling.logprobs import token_logprobs
-from graphrt.sampling.sampler import SamplingTensors
+from graphrt.sampling.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,10 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _capture_streams:
         _capture_streams[index] = torch.cuda.Stream(device)
     return _capture_streams[index]
+
+
+def _sample_unfused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(sample(logits, sampling))
 
 
 class GraphKey(NamedTuple):
@@ -157,10 +161,12 @@ class DecodeGraphRunner:
         bs = self.max_batch_size
         config = model.config
         #: The attention metadata the graphs read (the backend's), and the token inputs (the runner's).
+        # One pinned staging for both, the inputs first: a step's refresh is one copy.
         self.graph_state = backend.init_graph_state(
-            bs, max_seq_len, block_size, self.device, num_heads=config.num_attention_heads, head_size=config.head_dim
+            bs, max_seq_len, block_size, self.device, num_heads=config.num_attention_heads,
+            head_size=config.head_dim, leading_fields=DecodeInputs.fields(bs),
         )
-        self.inputs = DecodeInputs(bs, self.device)
+        self.inputs = DecodeInputs(self.graph_state.packed)
         self._static_sampling = StaticSampling(bs, self.device)
         self.sampling = self._static_sampling.tensors
         #: [B] int64: where a step's sampled tokens land. The same memory as ``inputs.input_ids``, so
@@ -182,8 +188,10 @@ class DecodeGraphRunner:
         self._next_host_buffers = 0
         keep_logits = return_logits or check_graphs > 0  # the oracle compares the replay's logits
         self.logits = torch.zeros(bs, config.vocab_size, dtype=torch.float32, device=self.device) if keep_logits else None
-        #: (logits, sampling, out) -> out: the model's token choice (fused kernels or the sorting sampler).
-        self._sample_into = model.kernel_policy.sample
+        #: (logits, sampling, out) -> out: the model's token choice (its kernel policy's: fused kernels or
+        #: the sorting sampler; the sorting sampler for a model without one).
+        policy = getattr(model, "kernel_policy", None)
+        self._sample_into = _sample_unfused if policy is None else policy.sample
 
     @property
     def max_seq_len(self) -> int:
@@ -211,9 +219,7 @@ class DecodeGraphRunner:
             return self.stats
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        # Every row inert while capturing.
-        self.backend.refresh_graph_state(self.graph_state, [], [], [], self.max_batch_size)
-        self.inputs.refresh([], [], self.max_batch_size)
+        self._stage(DecodeBatch([], [], [], [], [], [], []), self.max_batch_size)  # every row inert while capturing
         keys = [GraphKey(size, mode) for size in reversed(self.capture_sizes) for mode in self.captured_modes]
         try:
             with torch.inference_mode():
@@ -265,8 +271,18 @@ class DecodeGraphRunner:
 
     def plan(self, batch: DecodeBatch) -> DecodePlan:
         """How ``batch`` decodes: the graph key it replays, or why it runs eagerly and on what shape.
-        Every step's choice is made here, once."""
+        Every step's choice is made here, once. Raises ValueError for a batch this runner cannot decode
+        (a row asking for more top logprobs than ``max_logprobs``), RuntimeError once closed."""
+        if self.closed:
+            raise RuntimeError("this decode graph runner is closed")
+        asked = [p.logprobs for p in batch.params if p.logprobs is not None]
+        if asked and (max(asked) > self.max_logprobs or not self.max_logprobs):
+            raise ValueError(f"a row asks for {max(asked)} top logprobs; this runner lists at most "
+                             f"{self.max_logprobs} (max_logprobs; 0 = no logprobs)")
         return self._plan(len(batch), max(batch.seq_lens, default=0), batch.sampling_mode)
+
+    def _padded_key(self, rows: int, mode: str) -> GraphKey:
+        return GraphKey(choose_bucket(self.capture_sizes, rows), mode)
 
     def _plan(self, rows: int, longest: int, mode: str) -> DecodePlan:
         fits = rows <= self.max_batch_size and longest <= self.max_seq_len
@@ -276,7 +292,7 @@ class DecodeGraphRunner:
             return DecodePlan(rows, GraphKey(rows, mode), reason, static_buffers=False, attention_bound=longest)
         if self.eager_reason is not None:  # no graphs at all: no padding, attention bounded by this batch
             return DecodePlan(rows, GraphKey(rows, mode), self.eager_reason, True, attention_bound=longest)
-        key = GraphKey(choose_bucket(self.capture_sizes, rows), mode)
+        key = self._padded_key(rows, mode)
         if self.graph_check is not None and key.padded_batch in self.graph_check.failed_buckets:
             # The step its graph would run (same bucket, captured bound), so its tokens are the ones
             # the checked replays agreed with.
@@ -321,12 +337,6 @@ class DecodeGraphRunner:
         for it; its ``result()`` still returns them), whose pinned buffer it reuses. A launch's refresh
         waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
-        if self.closed:
-            raise RuntimeError("this decode graph runner is closed")
-        asked = [p.logprobs for p in batch.params if p.logprobs is not None]
-        if asked and (max(asked) > self.max_logprobs or not self.max_logprobs):
-            raise ValueError(f"a row asks for {max(asked)} top logprobs; this runner lists at most "
-                             f"{self.max_logprobs} (max_logprobs; 0 = no logprobs)")
         plan = self.plan(batch)
         carry_input_ids, carry_rows = self._check_carry(batch, plan, carry_input_ids, carry_rows)
         buffers = self._host_buffers[self._next_host_buffers]
@@ -382,17 +392,17 @@ class DecodeGraphRunner:
             self._forward(plan.key, plan.attention_bound)
             return self._outputs(plan)
 
+    @torch.inference_mode()
     def prepare(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool = False,
                 carry_rows: list[int] | None = None) -> None:
-        """Write ``batch`` into the static buffers, rows padded to ``plan.key``: the backend's attention
-        metadata, the token inputs (left on the device with ``carry_input_ids``; gathered from
-        ``carry_rows`` of the previous launch when given) and, unless greedy, the sampling rows."""
+        """Write ``batch`` into the static buffers, rows padded to ``plan.key``: the token inputs (left
+        on the device with ``carry_input_ids``; gathered from ``carry_rows`` of the previous launch when
+        given) and the backend's attention metadata in one copy, and, unless greedy, the sampling rows."""
+        if not plan.static_buffers:
+            raise ValueError("this plan runs outside the static buffers; there is nothing to prepare")
         padded = plan.key.padded_batch
         with nvtx.decode_prepare():
-            self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables,
-                                             batch.slot_mapping, padded, batch.block_table_versions)
-            self.inputs.refresh(batch.input_ids, batch.positions, padded, keep_input_ids=carry_input_ids,
-                                carry_rows=carry_rows)
+            self._stage(batch, padded, carry_input_ids, carry_rows)
             if plan.key.sampling_mode != "greedy":  # greedy graphs never read the sampling rows
                 self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
             if carry_rows is not None:
@@ -402,8 +412,22 @@ class DecodeGraphRunner:
                 ids[: plan.rows].copy_(ids.index_select(0, self.inputs.carry_rows[: plan.rows]))
         self._carried_rows = plan.rows
 
+    def _stage(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False,
+               carry_rows: list[int] | None = None) -> None:
+        """The token inputs and the attention metadata into the shared pinned staging, then one copy."""
+        staging = self.graph_state.packed
+        staging.wait_until_uploaded()  # the previous step's copy has read the mirror
+        first_byte = self.inputs.write(batch.input_ids, batch.positions, padded, keep_input_ids=carry_input_ids,
+                                       carry_rows=carry_rows)
+        self.backend.refresh_graph_state(self.graph_state, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+                                         padded, batch.block_table_versions, upload=False)
+        staging.upload(self.graph_state.bytes_in_use(padded), first_byte=first_byte)
+
+    @torch.inference_mode()
     def replay(self, plan: DecodePlan) -> None:
         """Replay the graph of ``plan.key`` over the prepared buffers (under the oracle when it is on)."""
+        if not plan.replays:
+            raise ValueError(f"this plan runs eagerly ({plan.eager_reason}); there is no graph to replay")
         if self.graph_check is not None:
             self._replay_checked(plan)
             return
@@ -422,8 +446,8 @@ class DecodeGraphRunner:
         plan = self.plan(batch)
         if not plan.static_buffers:
             raise ValueError("batch exceeds the captured sizes; it has no graph to compare with")
-        plan = DecodePlan(plan.rows, GraphKey(choose_bucket(self.capture_sizes, plan.rows), plan.key.sampling_mode),
-                          EagerReason.ENFORCE_EAGER, True)
+        plan = DecodePlan(plan.rows, self._padded_key(plan.rows, plan.key.sampling_mode), EagerReason.ENFORCE_EAGER,
+                          True)
         self.prepare(batch, plan)
         self._forward(plan.key)
         return self.next_tokens[: plan.rows].tolist()

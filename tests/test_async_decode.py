@@ -266,7 +266,7 @@ def test_runner_refuses_what_it_cannot_carry_and_keeps_unread_tokens(async_llm):
 def test_decode_inputs_refresh_keeps_device_input_ids():
     from graphrt.capture.decode_inputs import DecodeInputs
 
-    inputs = DecodeInputs(4, torch.device("cpu"))
+    inputs = DecodeInputs.allocate(4, torch.device("cpu"))
     inputs.refresh([11, 12], [4, 8], 4)
     inputs.input_ids[:2] = torch.tensor([101, 102])  # what a step's sampler writes there
     inputs.refresh([7, 7], [5, 9], 4, keep_input_ids=True, carry_rows=[1, 0])

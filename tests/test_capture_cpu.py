@@ -17,6 +17,7 @@ from graphrt.capture import (
     DecodeGraphRunner,
     DecodePlan,
     EagerReason,
+    GraphCheck,
     GraphKey,
     choose_bucket,
     default_capture_sizes,
@@ -62,7 +63,7 @@ def test_refresh_writes_real_rows_and_inert_padding():
 def test_decode_inputs_refresh_writes_real_rows_and_zero_padding():
     """The runner's token inputs: ids and positions of the real rows, zeros in padding rows, nothing
     past the padded size; refused shapes copy nothing."""
-    inputs = DecodeInputs(8, torch.device("cpu"))
+    inputs = DecodeInputs.allocate(8, torch.device("cpu"))
     for tensor in (inputs.input_ids, inputs.positions):
         tensor.fill_(777)
     inputs.refresh([11, 12, 13], [4, 16, 32], padded_batch_size=4)
@@ -285,3 +286,52 @@ def test_padding_rows_with_garbage_change_nothing_real(llm):
     for layer, (kv, expected) in enumerate(zip(caches, after_clean)):  # every block but the null block
         changed = ((kv[:, 1:] != expected[:, 1:]).any(-1).any(0).nonzero().flatten() + 1).tolist()
         assert not changed, f"layer {layer}: blocks {changed} changed"
+
+
+def _rows(rows: int, longest: int, params=None) -> DecodeBatch:
+    """A decode batch of ``rows`` rows whose longest holds ``longest`` keys (shapes only)."""
+    lens = [max(1, longest - r) for r in range(rows)]
+    return DecodeBatch(input_ids=[1] * rows, positions=[n - 1 for n in lens], block_tables=[[1]] * rows,
+                       slot_mapping=[16] * rows, params=params or [SamplingParams(temperature=0)] * rows,
+                       seeds=[0] * rows, steps=[0] * rows)
+
+
+def test_plan_is_the_one_dispatch(llm):
+    """Every case of the decision: replay at the padded bucket; a failed bucket's step eager at that
+    bucket and the captured bound; no graphs: eager at the batch's own size and longest row; too many
+    rows or too long a context: eager outside the static buffers."""
+    runner = _runner(llm, capture_sizes=[1, 2, 4, 8], max_seq_len=64)
+    runner.eager_reason = None  # as after a successful capture
+    assert runner.plan(_rows(3, 40)) == DecodePlan(3, GraphKey(4, "greedy"), None, True)
+    sampled = [SamplingParams(temperature=0.7, top_k=5)] * 3
+    assert runner.plan(_rows(3, 40, sampled)).key == GraphKey(4, "sample")
+    assert runner.plan(_rows(9, 40)) == DecodePlan(9, GraphKey(9, "greedy"), EagerReason.BATCH_TOO_LARGE, False, 40)
+    assert runner.plan(_rows(2, 65)) == DecodePlan(2, GraphKey(2, "greedy"), EagerReason.CONTEXT_TOO_LONG, False, 65)
+    runner.graph_check = GraphCheck(1, {})
+    runner.graph_check.failed_buckets.add(4)
+    assert runner.plan(_rows(3, 40)) == DecodePlan(3, GraphKey(4, "greedy"), EagerReason.GRAPH_CHECK_FAILED, True)
+    assert runner.plan(_rows(2, 40)).replays
+    runner.graph_check = None
+    runner.eager_reason = EagerReason.ENFORCE_EAGER
+    assert runner.plan(_rows(3, 40)) == DecodePlan(3, GraphKey(3, "greedy"), EagerReason.ENFORCE_EAGER, True, 40)
+    assert runner.plan(_rows(9, 40)).eager_reason == EagerReason.ENFORCE_EAGER  # the runner-wide reason explains it
+    with pytest.raises(ValueError, match="lists at most 20"):
+        runner.plan(_rows(1, 10, [SamplingParams(logprobs=21)]))
+    with pytest.raises(ValueError, match="no graph to replay"):
+        runner.replay(runner.plan(_rows(3, 40)))
+    with pytest.raises(ValueError, match="nothing to prepare"):
+        runner.prepare(_rows(9, 40), runner.plan(_rows(9, 40)))
+    runner.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.plan(_rows(1, 10))
+
+
+def test_can_carry_needs_the_rows_and_a_batch_that_fits(llm):
+    batch = _decode_batch(llm, 3)
+    runner = _runner(llm, capture_sizes=[1, 2, 4, 8], max_seq_len=64)
+    assert runner.inputs.packed is runner.graph_state.packed  # one staging, one copy a step
+    assert not runner.can_carry([0], 30)  # nothing launched yet
+    runner.decode(batch)
+    assert runner.can_carry([0, 1, 2], 30) and runner.can_carry([2, 0], 64)
+    assert not runner.can_carry([3], 30)  # the launch left three rows
+    assert not runner.can_carry([0, 1], 65)  # one position further the batch outgrows the captured context

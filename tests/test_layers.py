@@ -54,6 +54,17 @@ def layer_of(module: str) -> int:
     return best
 
 
+def _lazy_exports() -> dict[str, str]:
+    """graphrt/__init__'s ``_EXPORTS`` table: public name -> the module that defines it."""
+    tree = ast.parse((ROOT / "graphrt" / "__init__.py").read_text())
+    table = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], "id", "") == "_EXPORTS")
+    return {k.value: v.value for k, v in zip(table.keys, table.values)}
+
+
+LAZY_EXPORTS = _lazy_exports()
+
+
 def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
     """(line, imported module) for every import in the file, relative ones resolved; for
     ``from package import name`` the target is ``package.name`` when that is a module."""
@@ -71,6 +82,8 @@ def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
                 source = node.module
             for alias in node.names:
                 target = f"{source}.{alias.name}"
+                if target not in known and source == "graphrt" and alias.name in LAZY_EXPORTS:
+                    target = LAZY_EXPORTS[alias.name]  # ``from graphrt import LLM`` imports graphrt.llm
                 found.append((node.lineno, target if target in known else source))
     return [(line, name) for line, name in found if name == "graphrt" or name.startswith("graphrt.")]
 
@@ -95,6 +108,8 @@ def test_the_check_catches_an_upward_import(tmp_path):
     [(line, target)] = imports_of("graphrt.kernels.gemv", path)
     assert (line, target) == (2, "graphrt.engine")
     assert layer_of(target) > layer_of("graphrt.kernels.gemv")
+    path.write_text("def f():\n    from graphrt import LLM, __version__\n")  # through the lazy exports
+    assert [t for _, t in imports_of("graphrt.kernels.gemv", path)] == ["graphrt.llm", "graphrt"]
 
 
 @pytest.mark.parametrize("layer", LAYERS[:-1])

@@ -11,6 +11,7 @@ up. The sizes are measured, and ``GemvThresholds.measured_on`` says where.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,15 @@ def layer_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     hidden, inter = config.hidden_size, config.intermediate_size
     elements = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter
     return elements * torch.empty((), dtype=dtype).element_size()
+
+
+@functools.cache
+def _fused_sampler():
+    """``graphrt.sampling.fused.sample_fused``, imported on first use: it imports Triton, which only
+    fused models need."""
+    from graphrt.sampling.fused import sample_fused
+
+    return sample_fused
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,6 @@ class KernelPolicy:
         """One token per row of ``logits`` [B, V] float32 -> [B] int64 (into ``out`` when given): the
         fused samplers with fused kernels, else the sorting sampler; both draw from the same noise."""
         if self.fused:
-            from graphrt.sampling.fused import sample_fused  # imports Triton: only where it runs
-
-            return sample_fused(logits, sampling, out=out)
+            return _fused_sampler()(logits, sampling, out=out)
         tokens = sample(logits, sampling)
         return tokens if out is None else out.copy_(tokens)

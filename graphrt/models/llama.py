@@ -202,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, self.rotary, backend, dtype, device, self.kernel_policy)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=fused_kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=self.kernel_policy.fused)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
