@@ -43,25 +43,21 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128
 #: K/V tile and fewest tokens a split where 128-token slices split the captured context (the graph's
 #: ``max_seq_len``, under 640 tokens) at most 4 ways and their programs fill at most half the SMs
-#: (batch 1 of an engine captured for 513 tokens): each program's chain of dependent
-#: loads, not bandwidth, sets the time, and shorter slices shorten it. Timed inside the captured step
-#: at batch 1, context 512: twice the splits of 64-token tiles ran
-#: SmolLM2-135M's and Llama-3.2-1B's steps faster, Llama-3-8B's about alike; at batch 8 the same rule
-#: was neutral or slower, hence the half-the-SMs bound. The measurements are in profiles/notes_paged_decode.md.
+#: (batch 1 of an engine captured for a short context): each program's chain of dependent loads,
+#: not bandwidth, sets the time, and shorter slices shorten it. Once the programs fill more than half
+#: the SMs the extra splits no longer pay for their merge, hence that bound (profiles/notes_paged_decode.md).
 SHORT_CONTEXT_TILE = 64
 #: Programs an SM holds with ``SHORT_CONTEXT_TILE``-token tiles, 4 warps, a 16-bit cache and head size 128
 #: (the compiled sm_90 kernel takes fewer registers a thread and about half the shared memory of the
 #: 128-token one): 5, where 128-token tiles fit 3. Used where unsplit programs overflow one wave of
-#: 128-token tiles but fit one of 64-token tiles (``choose_launch``), as for Llama-3-8B at batch 64,
-#: context 512 (512 programs against 396 resident), which ran faster so inside the captured step
-#: (measurements in profiles/notes_paged_decode.md).
+#: 128-token tiles but fit one of 64-token tiles (``choose_launch``): one wave of programs instead of
+#: a partial second one (profiles/notes_paged_decode.md).
 #: Not with a sliding window (that kernel takes more registers: 4 programs an SM) and only for captured
-#: contexts under ``_ONE_WAVE_CONTEXT_BOUND`` (where one split is the heuristic's choice for such batches;
-#: measured at 513). ``resident_programs`` keeps its own estimate (3) for the short-context rule.
+#: contexts under ``_ONE_WAVE_CONTEXT_BOUND`` (where one split is the heuristic's choice for such batches). ``resident_programs`` keeps its own estimate (3) for the short-context rule.
 _SHORT_TILE_PROGRAMS_PER_SM = {(2, 128): 5}
 _ONE_WAVE_CONTEXT_BOUND = 1024
-#: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency (at d=128, 64 KiB
-#: tiles streamed faster than 32 KiB ones: profiles/notes_paged_decode.md).
+#: K + V bytes of one tile: enough bytes in flight per program to cover HBM latency
+#: (profiles/notes_paged_decode.md).
 TILE_BYTES = 64 * 1024
 #: Shared memory a program needs beyond its K/V tile (what the kernel Triton compiles for sm_90 takes
 #: over a 64 KiB tile, rounded up). Triton keeps one tile in shared memory (no multi-buffering of these
@@ -69,8 +65,7 @@ TILE_BYTES = 64 * 1024
 _SMEM_OVERHEAD = 9 * 1024
 #: Programs of 4 warps per SM at most, from the registers the compiled sm_90 kernel takes a thread, by
 #: cache element size: 16-bit caches fit 3 at head size 128 (beside the shared memory limit) and 4 at
-#: head size 64 (the split counts 4 programs an SM give measured fastest for the 1B's shapes:
-#: profiles/notes_paged_decode.md); fp8 caches, whose kernel takes the most registers, fit 2.
+#: head size 64 (profiles/notes_paged_decode.md has the split counts this gives); fp8 caches, whose kernel takes the most registers, fit 2.
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
@@ -117,8 +112,8 @@ def default_config(head_size: int, cache_element_size: int, device: torch.device
     block_n = max(16, min(128, TILE_BYTES // _bytes_per_token(head_size, cache_element_size)))
     while block_n > 16 and _program_shared_memory(block_n, head_size, cache_element_size) > smem:
         block_n //= 2
-    # Stages 3 and 2 measured alike and 1 slower (profiles/notes_paged_decode.md): the loads run a tile
-    # ahead in registers, but these gathered loads are never multi-buffered in shared memory.
+    # Pipelined loads run a tile ahead in registers (these gathered loads are never multi-buffered in
+    # shared memory); profiles/notes_paged_decode.md compares the stage counts.
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
 
 

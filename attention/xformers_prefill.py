@@ -11,13 +11,12 @@ All prompts of a step run in one xFormers call:
   outside a window) serves every prompt (stride 0 over B), since positions restart at 0 in each row.
   ``L`` is the longest prompt rounded up to 64, and K/V are repeated to all H heads while they are
   scattered (the same one copy), so cutlass runs once over ``[B, L, H, D]``. Not the BMGHK form
-  (stride-0 K/V, which xFormers' cutlass path runs as one launch per KV head on its own stream): it
-  hit an illegal memory access inside the test suite (cf. pytorch/pytorch#191937 on that kernel,
-  stride-0 K/V and key lengths ≡ 1 mod 32) that the same call alone did not repeat, so the cause is
-  unproven, and this plainest layout has run clean. Padding costs ``B * L^2`` attention work instead
+  (stride-0 K/V, which xFormers' cutlass path runs as one launch per KV head on its own stream): that
+  path is not trusted here (an illegal memory access was seen with it; cf. pytorch/pytorch#191937 on
+  that kernel with stride-0 K/V), and this plainest layout avoids it. Padding costs ``B * L^2`` attention work instead
   of ``sum(len^2)``; the bias costs ``H * L^2`` elements of the query's dtype, so ALiBi prefill of very
   long prompts is bounded by memory (as a loop of one call per prompt would be). One call for every
-  prompt was measured faster than such a loop (profiles/notes_paged_decode.md, prefill).
+  prompt rather than such a loop: one launch instead of one per prompt (profiles/notes_paged_decode.md).
 
 GQA/MQA (packed path): query ``[T, H, D]`` is viewed as ``[1, T, KVH, H/KVH, D]`` (xFormers' BMGHK)
 and key/value ``[T, KVH, D]`` are expanded to that shape with stride 0, never materialised.

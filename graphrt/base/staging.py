@@ -2,8 +2,9 @@
 
 Several small per-step fields share one device buffer, mirrored by one pinned host buffer, so a
 refresh is numpy writes into the mirror plus a single non-blocking copy, instead of a torch call (and
-a host-to-device copy) per field. Used for a decode graph's inputs and attention metadata
-(``graphrt.attention.graph_state``) and for its sampling rows (``graphrt.capture.static_sampling``).
+a host-to-device copy) per field. Used for a decode graph's token inputs and attention metadata, which
+share one (``graphrt.attention.graph_state``, ``graphrt.capture.decode_inputs``), and for its sampling
+rows (``graphrt.capture.static_sampling``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Rules every kernel launched with ``launch_pdl=True`` here follows:
 * ``gdc_launch_dependents`` comes early (before the weight loads): it only lets the next kernel's
   programs be scheduled into free slots, where they wait; correctness never depends on where it sits.
   (The fused QKV kernel issues its position, rotary, slot and bias loads just before it, the GEMV its
-  bias load: not timed against the other order.)
+  bias load.)
 
 Launched as dependents, a layer's batch-1 GEMV kernels run measurably faster with identical outputs
 (profiles/notes_fusion.md has the measurements).

@@ -15,11 +15,9 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
 * epilogue ``ADD_TO_OUT``: the result is added into ``out`` in place (the residual stream), which
   saves the next norm's residual add.
 
-Rows are independent programs, so more rows re-read W (from L2 at best): as measured
-(profiles/notes_fusion.md), one row runs the small and mid-sized decoder matrices of the 1B, 8B and
-135M models faster than cuBLAS, while at 16 rows a tensor-core variant only tied it; the model uses
-these kernels for one token, in layers up to the size where they win (``graphrt.models.kernel_policy``
-holds both bounds). So a sequence decoding
+Rows are independent programs, so more rows re-read W (from L2 at best): the kernels are built for one
+row, and the model uses them for one token, in layers up to the size where they beat cuBLAS
+(``graphrt.models.kernel_policy`` holds the bounds; profiles/notes_fusion.md the measurements). So a sequence decoding
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
