@@ -10,6 +10,7 @@ from pathlib import Path
 
 from graphrt.base.errors import GraphrtError
 from graphrt.info import collect_info, format_info
+from graphrt.models.fp8 import QUANTIZATIONS
 
 EXIT_REQUEST_ERROR = 1
 EXIT_USAGE_ERROR = 2
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokens' (0 = the token's alone)")
     gen.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="K",
                      help="with --json: the same for every prompt token after the first")
+    gen.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                     help="quantize the decoder layers' linear weights at load: fp8 = FP8 E4M3 with a scale per "
+                     "output channel (CPU only so far: a dequantising reference path)")
     gen.add_argument("--check-graphs", type=non_negative_int, default=None, metavar="N",
                      help="check every decode graph replay's input addresses and re-run every N-th replayed "
                      "step eagerly to compare (a debugging aid; also GRAPHRT_CHECK_GRAPHS=N; 0 = off)")
@@ -204,7 +208,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
-        check_graphs=args.check_graphs, **kernel_options(args),
+        check_graphs=args.check_graphs, quantization=args.quantization, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

@@ -10,6 +10,7 @@ import torch
 
 from graphrt.base.checks import is_count
 from graphrt.base.errors import ConfigError
+from graphrt.models.fp8 import QUANTIZATIONS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -104,6 +105,11 @@ class EngineConfig:
     #: a bucket that fails decodes eagerly from then on. 0 = off; None = ``GRAPHRT_CHECK_GRAPHS`` (an
     #: integer >= 0) or 0. Resolved to an int when the config is built.
     check_graphs: int | None = None
+    #: Weight quantization of the decoder layers' linear layers: None (the model dtype) or "fp8" (FP8
+    #: E4M3, one float32 scale per output channel, quantized at load; ``graphrt.models.fp8``). The
+    #: embedding and the LM head stay in the model dtype. CPU only so far: it runs the dequantising
+    #: reference path, which CUDA would run slower than the 16-bit model.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -123,6 +129,9 @@ class EngineConfig:
         elif not is_count(self.check_graphs):
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
         self.check_graphs = int(self.check_graphs)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
+                              f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")
 
 
 #: The environment variable ``EngineConfig.check_graphs`` falls back to.

@@ -63,15 +63,21 @@ class LLMEngine:
             if self.fused_kernels and self.device.type == "cpu" and not triton_interpreter_on():
                 raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
                                   "interpreter (TRITON_INTERPRET=1, slow: meant for tests)")
+            if config.quantization is not None and self.device.type == "cuda":
+                raise ConfigError(f"quantization={config.quantization!r} runs on CPU only so far: its reference path "
+                                  "dequantises every weight each step, slower on CUDA than the 16-bit model")
             self.dependent_launch = self._resolve_dependent_launch()
             try:
                 model = LlamaForCausalLM(
                     self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,
                     fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch,
+                    quantization=config.quantization,
                 )
             except ValueError as exc:  # e.g. a head size the attention backend cannot run
                 raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
             load_weights_into(model, checkpoint, progress=progress)
+            if config.quantization is not None:
+                model.quantize_weights()
         self.model = model.eval()
 
         num_blocks = self._choose_num_blocks()

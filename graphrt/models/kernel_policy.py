@@ -19,6 +19,7 @@ import torch
 from graphrt.sampling.sampler import SamplingTensors, sample
 
 from .config import ModelConfig
+from .fp8 import QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -71,30 +72,38 @@ class KernelPolicy:
     SiLU * up) and the fused samplers; False = the unfused torch ops and the sorting sampler, kept as
     the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
     dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
-    each layer on GEMV kernels (0 = never).
+    each layer on GEMV kernels (0 = never). quantization: None, or "fp8" for the layers' linear weights
+    in FP8 with per-channel scales (``graphrt.models.fp8``), run through the dequantising reference path;
+    the GEMV kernels read 16-bit weights, so they are off then.
     """
 
     fused: bool = False
     dependent_launch: bool = False
     gemv_max_tokens: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dependent_launch and not self.fused:
             raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         if self.gemv_max_tokens and not self.fused:
             raise ValueError("GEMV layers need fused_kernels=True")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization is not None and self.gemv_max_tokens:
+            raise ValueError("the GEMV layers read 16-bit weights; they cannot run quantized layers")
 
     @classmethod
     def choose(cls, config: ModelConfig, dtype: torch.dtype, fused: bool, dependent_launch: bool = False,
-               thresholds: GemvThresholds = GEMV_THRESHOLDS) -> KernelPolicy:
-        """The policy for a model of ``config`` in ``dtype``: GEMV layers when fused and the layer is
-        within the measured bound for the launch mode."""
+               thresholds: GemvThresholds = GEMV_THRESHOLDS, quantization: str | None = None) -> KernelPolicy:
+        """The policy for a model of ``config`` in ``dtype``: GEMV layers when fused, unquantized and the
+        layer is within the measured bound for the launch mode."""
         if dependent_launch and not fused:
             raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         bound = thresholds.max_dependent_layer_bytes if dependent_launch else thresholds.max_layer_bytes
-        gemv = fused and config.num_hidden_layers > 0 and layer_weight_bytes(config, dtype) <= bound
+        gemv = (fused and quantization is None and config.num_hidden_layers > 0
+                and layer_weight_bytes(config, dtype) <= bound)
         return cls(fused=fused, dependent_launch=dependent_launch,
-                   gemv_max_tokens=thresholds.max_tokens if gemv else 0)
+                   gemv_max_tokens=thresholds.max_tokens if gemv else 0, quantization=quantization)
 
     def runs_gemv(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens runs the GEMV layers."""

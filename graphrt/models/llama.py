@@ -24,6 +24,7 @@ from graphrt.base import nvtx
 from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
+from .fp8 import Fp8Linear
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
@@ -188,11 +189,14 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str,
         fused_kernels: bool = False,
         dependent_launch: bool = False,
+        quantization: str | None = None,
     ):
         super().__init__()
         self.config = config
-        #: The kernels every forward runs, chosen here once (``KernelPolicy.choose``).
-        self.kernel_policy = KernelPolicy.choose(config, dtype, fused_kernels, dependent_launch)
+        #: The kernels every forward runs, chosen here once (``KernelPolicy.choose``). With
+        #: ``quantization``, the layers' linear weights are quantized by ``quantize_weights`` once loaded.
+        self.kernel_policy = KernelPolicy.choose(config, dtype, fused_kernels, dependent_launch,
+                                                 quantization=quantization)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
@@ -254,6 +258,23 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------
 
+    def quantize_weights(self) -> None:
+        """Quantize every decoder layer's linear weights as the kernel policy says (``"fp8"``: FP8 E4M3,
+        a float32 scale per output channel; ``graphrt.models.fp8``), after ``load_weights``. The
+        embedding and the LM head stay in the model dtype. Once only."""
+        if self.kernel_policy.quantization is None:
+            raise RuntimeError("this model was built without quantization")
+        if getattr(self, "weights_quantized", False):
+            raise RuntimeError("this model's weights are quantized already")
+        self._check_weights()
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.qkv_proj = Fp8Linear.from_linear(attention.qkv_proj)
+            attention.o_proj = Fp8Linear.from_linear(attention.o_proj)
+            mlp.gate_up_proj = Fp8Linear.from_linear(mlp.gate_up_proj)
+            mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj)
+        self.weights_quantized = True
+
     def release_weights(self) -> None:
         """Free every parameter and buffer (they become meta tensors: no memory anywhere); the model
         refuses forwards from then on (a CPU product with a meta weight would return uninitialised
@@ -271,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         Raises ModelLoadError naming any missing, unexpected, duplicated, mis-shaped or non-floating-point
         tensor (integers or booleans would be converted to numbers no checkpoint meant).
         """
+        if getattr(self, "weights_quantized", False):
+            raise RuntimeError("load weights before quantize_weights(), not after")
         params = dict(self.named_parameters())
         loaded: dict[str, set[int]] = {}
         seen: set[str] = set()
