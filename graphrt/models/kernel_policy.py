@@ -97,8 +97,6 @@ class KernelPolicy:
                thresholds: GemvThresholds = GEMV_THRESHOLDS, quantization: str | None = None) -> KernelPolicy:
         """The policy for a model of ``config`` in ``dtype``: GEMV layers when fused, unquantized and the
         layer is within the measured bound for the launch mode."""
-        if dependent_launch and not fused:
-            raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         bound = thresholds.max_dependent_layer_bytes if dependent_launch else thresholds.max_layer_bytes
         gemv = (fused and quantization is None and config.num_hidden_layers > 0
                 and layer_weight_bytes(config, dtype) <= bound)
