@@ -120,6 +120,7 @@ def _qkv_rope_cache_kernel(
     w_ptr,  # [(H + 2 * KVH) * D, K] fused QKV weight: q heads, k heads, v heads
     bias_ptr,  # [(H + 2 * KVH) * D] (unused without HAS_BIAS)
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    scale_ptr,  # [(H + 2 * KVH) * D] float32 per-row scales of an FP8 weight (unused without W_SCALED)
     qkv_ptr,  # [T, (H + 2 * KVH) * D] out: q and k rotated, v as projected
     positions_ptr,  # [T] int64
     cos_ptr,  # [P, D] float32 (both halves equal)
@@ -140,6 +141,7 @@ def _qkv_rope_cache_kernel(
     HEAD_SIZE: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_SCALED: tl.constexpr,  # w holds FP8 codes, real values code * scale[row]
     WRITE_CACHE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # first-half channels a program computes (with their second halves); divides D / 2
@@ -169,7 +171,8 @@ def _qkv_rope_cache_kernel(
         first_bias = tl.load(bias_ptr + first_cols).to(tl.float32)
         second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
     first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
-                                         x_row, K, eps, NORM, True, False, BLOCK_K, NORM_BLOCK, PDL, dtype)
+                                         x_row, scale_ptr, K, eps, NORM, True, False, W_SCALED, BLOCK_K, NORM_BLOCK,
+                                         PDL, dtype)
     if HAS_BIAS:
         first += first_bias
         second += second_bias
@@ -215,19 +218,20 @@ def project_rope_and_write_kv_cache(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     dependent_launch: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The QKV projection of a few tokens (fast for one), rotated and stored in the cache, in one kernel:
     ``linear_gemv(x, weight, bias, norm_weight=...)`` then ``rope_and_write_kv_cache`` on its output,
     up to a rounding of the projection (see the module docstring).
 
-    x: [T, K] (columns contiguous), model dtype; weight: [(H + 2 * KVH) * D, K] contiguous, same dtype;
-    bias: None or [(H + 2 * KVH) * D]; norm_weight: None, or [K]: x is RMS-normalised first (``eps``);
+    x: [T, K] (columns contiguous), model dtype; weight: [(H + 2 * KVH) * D, K] contiguous, same dtype,
+    or FP8 codes with ``weight_scale`` (as ``linear_gemv`` takes them); bias: None or [(H + 2 * KVH) * D]; norm_weight: None, or [K]: x is RMS-normalised first (``eps``);
     positions, cos, sin, kv_cache, slot_mapping, scales: as ``rope_and_write_kv_cache`` (kv_cache None:
     rotate only). Returns ``out`` [T, (H + 2 * KVH) * D] (allocated when None; contiguous columns, not
     sharing memory with x): q and k rotated, v as projected. Nothing is allocated when ``out`` is given, and the launch
     depends on shapes only: safe inside a CUDA graph. ``dependent_launch``: as ``linear_gemv``.
     """
-    num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight)
+    num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight, weight_scale=weight_scale)
     width = (num_heads + 2 * num_kv_heads) * head_size
     if weight.shape[0] != width:
         raise ValueError(f"weight {tuple(weight.shape)} is not a fused QKV weight of {width} rows "
@@ -238,15 +242,16 @@ def project_rope_and_write_kv_cache(
     out = gemv.output_for(x, out, width)
     if num_tokens == 0:
         return out
-    config = qkv_tile(in_features, width, head_size, x.element_size())
+    config = qkv_tile(in_features, width, head_size, weight.element_size())
     _qkv_rope_cache_kernel[(width // 2 // config.block_n, num_tokens)](
-        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
+        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
+        weight if weight_scale is None else weight_scale, out,
         positions, cos, sin, kv_cache if write else out, slot_mapping if write else positions,
         x.stride(0), weight.stride(0), out.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0,
         float(eps), in_features, 1.0 / float(k_scale), 1.0 / float(v_scale),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
+        HAS_BIAS=bias is not None, W_SCALED=weight_scale is not None, WRITE_CACHE=write,
+        QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out

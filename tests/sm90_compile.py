@@ -38,18 +38,21 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048) -> dict:
+def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048,
+              fp8_weight: bool = False) -> dict:
     """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
     "norm", "norm_silu", "silu" or "add" (as tests/test_gemv.py names them); ``config`` a
-    ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``)."""
+    ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``); ``fp8_weight``:
+    the weight is FP8 E4M3 codes with per-row float32 scales."""
     from graphrt.kernels import gemv
 
     pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
+    pointers.update(scale_ptr="*fp32", **({"w_ptr": "*fp8e4nv"} if fp8_weight else {}))
     integers = {arg: "i32" for arg in ("stride_x", "stride_w", "stride_out", "N", "K")}
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "silu": gemv.EPILOGUE_SILU_MUL,
                 "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
-                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
+                      W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
                       PDL=pdl)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,

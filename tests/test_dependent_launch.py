@@ -58,10 +58,11 @@ def _cases(pdl: bool) -> list[dict]:
                        USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
     qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
                      {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
-                      "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
+                      "scale_ptr": "*fp32", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
                       **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")},
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
-                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, WRITE_CACHE=True,
+                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, W_SCALED=False,
+                          WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
     return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
 

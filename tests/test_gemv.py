@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from triton_cpu import interpreted  # noqa: E402
 
 from graphrt.kernels import gemv  # noqa: E402
+from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import rms_norm_torch, silu_and_mul_torch  # noqa: E402
 
 gemv = interpreted(gemv, "_gemv_kernel")
@@ -45,7 +46,7 @@ def reference(variant, x, weight, bias, norm_weight, residual):
     """The unfused layer arithmetic with the GEMM in float64, rounded once to the model dtype.
     Returns (expected output, the rounded GEMM result, the largest |x_k * w_nk| of each product
     [M, N_w])."""
-    dtype = x.dtype
+    dtype = x.dtype  # weight: x's dtype, or float64 (FP8 codes times their scales)
     if variant.startswith("norm"):
         x = rms_norm_torch(x, norm_weight, EPS)
     product = x.double() @ weight.double().T
@@ -79,10 +80,17 @@ def allowed_error(variant, expected, product, largest_term, in_features, dtype):
     return 2 * unit * (expected.double().abs() + product.double().abs()) + floor
 
 
-def check(variant, rows, out_features, in_features, dtype, seed=0, config=None):
+def check(variant, rows, out_features, in_features, dtype, seed=0, config=None, fp8_weight=False):
+    """``fp8_weight``: the kernel reads the weight as FP8 codes with a scale per row (quantised by
+    ``quantize_per_channel``); the reference multiplies by those codes times their scales, in float64."""
     out_width = out_features // 2 if variant == "norm_silu" else out_features
     x = _randn(rows, in_features, dtype=dtype, seed=seed, scale=2.0)
     weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
+    weight_scale = None
+    if fp8_weight:  # rows of widely different magnitudes, so the scales matter
+        weight = weight * torch.logspace(-2, 1, out_features, device=DEVICE, dtype=torch.float64)[:, None].to(dtype)
+        codes, weight_scale = quantize_per_channel(weight)
+        weight = codes.double() * weight_scale.double()[:, None]  # the real weights: what the reference uses
     bias = _randn(out_features, dtype=dtype, seed=seed + 2) if variant == "bias" else None
     norm_weight = _randn(in_features, dtype=dtype, seed=seed + 3) if variant.startswith("norm") else None
     residual = _randn(rows, out_width, dtype=dtype, seed=seed + 4) if variant == "add" else None
@@ -91,8 +99,8 @@ def check(variant, rows, out_features, in_features, dtype, seed=0, config=None):
                                                                device=DEVICE)
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(
         variant, gemv.EPILOGUE_STORE)
-    got = gemv.linear_gemv(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out,
-                           config=config)
+    got = gemv.linear_gemv(x, codes if fp8_weight else weight, bias, norm_weight=norm_weight, eps=EPS,
+                           epilogue=epilogue, out=out, config=config, weight_scale=weight_scale)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
     excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, largest_term, in_features, dtype)
@@ -123,6 +131,31 @@ def test_linear_gemv_slices_match_reference(variant, rows, out_features, in_feat
     check(variant, rows, out_features, in_features, torch.float32, seed=7 * rows + in_features, config=config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows,out_features,in_features,config", [
+    (1, 48, 80, None), (1, 20, 1100, None), (3, 40, 96, None), (2, 40, 100, gemv.TileConfig(8, 32, 4))])
+def test_fp8_weights_match_a_float64_product_of_the_dequantised_weights(variant, rows, out_features, in_features,
+                                                                       config, dtype):
+    """W8A16: FP8 codes widened in registers, each product scaled by its row's scale, against the
+    float64 product of codes x scales; odd widths, several K slices with a partial last one."""
+    check(variant, rows, out_features, in_features, dtype, seed=3 * rows + in_features, config=config,
+          fp8_weight=True)
+
+
+def test_fp8_weights_need_their_scales():
+    x = torch.randn(1, 64, device=DEVICE)
+    codes, scale = quantize_per_channel(torch.randn(32, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="FP8 weight needs weight_scale"):
+        gemv.linear_gemv(x, codes)
+    with pytest.raises(ValueError, match="only an FP8 weight takes one"):
+        gemv.linear_gemv(x, torch.randn(32, 64, device=DEVICE), weight_scale=scale)
+    with pytest.raises(ValueError, match="one scale per weight row"):
+        gemv.linear_gemv(x, codes, weight_scale=scale[:16])
+    with pytest.raises(ValueError, match="one scale per weight row"):
+        gemv.linear_gemv(x, codes, weight_scale=scale.double())
+
+
 @pytest.mark.parametrize("variant", ["norm", "norm_silu"])
 def test_norm_rows_longer_than_one_load(variant, monkeypatch):
     """Rows longer than the sum of squares loads at once (the cap lowered to 16 elements): its loop runs
@@ -144,6 +177,19 @@ def test_norm_rows_longer_than_one_load(variant, monkeypatch):
 ])
 def test_linear_gemv_grid_gpu(variant, rows, out_features, in_features, dtype):
     check(variant, rows, out_features, in_features, dtype, seed=rows * out_features + in_features)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("out_features,in_features", [
+    (3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048),  # Llama-3.2-1B QKV, O, down, gate/up
+    (6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096),  # Llama-3-8B QKV, O, down, gate/up
+    (960, 576), (3072, 576), (576, 1536), (1000, 1100),  # SmolLM2 QKV, gate/up, down; odd sizes
+])
+def test_fp8_weights_grid_gpu(variant, out_features, in_features, dtype):
+    check(variant, 1, out_features, in_features, dtype, seed=out_features + in_features, fp8_weight=True)
 
 
 def test_linear_gemv_rejects_bad_shapes():
@@ -180,6 +226,10 @@ def _sm90_cases():
     for dtype, variant, pdl in itertools.product(["bf16", "fp32"], ["bias", "norm", "norm_silu", "add"], [False, True]):
         config = gemv.general_config(8192, variant == "norm_silu")
         cases.append(gemv_case(f"{variant}-{dtype}{'-dependent' if pdl else ''}", dtype, variant, config, pdl, 8192))
+    for variant, pdl in itertools.product(["bias", "norm", "norm_silu", "add"], [False, True]):
+        config = gemv.general_config(8192, variant == "norm_silu", element_size=1)
+        cases.append(gemv_case(f"{variant}-bf16-fp8-weight{'-dependent' if pdl else ''}", "bf16", variant, config,
+                               pdl, 8192, fp8_weight=True))
     for (rows, in_features, silu), config in gemv.MEASURED_TILES.items():
         for variant in ["norm_silu"] if silu else ["norm", "add"]:
             cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True,
@@ -208,6 +258,8 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
     assert gemv.default_config(2048, 16384, True, 2) == gemv.TileConfig(16, 256, 4)
     assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up
     assert gemv.default_config(100, 20) == gemv.TileConfig(8, 128, 8)
+    assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(8, 2048, 8)  # FP8: general, 2048-deep
+    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(8, 1024, 4)
 
 
 @pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),

@@ -26,6 +26,7 @@ from triton_cpu import interpreted  # noqa: E402
 
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import gemv  # noqa: E402
+from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
 
 gemv = interpreted(gemv, "_gemv_kernel")
@@ -46,12 +47,15 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 
 def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
-          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0):
+          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False):
     cache_dtype = cache_dtype or dtype
     width = (num_heads + 2 * num_kv_heads) * head_size
     kv_size = num_kv_heads * head_size
     x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
     weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
+    weight_scale = None
+    if fp8_weight:  # FP8 codes with a scale per row, against linear_gemv's product of the same (test_gemv checks it)
+        weight, weight_scale = quantize_per_channel(weight)
     qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
     norm_weight = _randn(hidden, dtype=dtype, seed=seed + 3) if norm else None
     rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
@@ -67,14 +71,14 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
         cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
     poisoned_cache = None if cache is None else cache.clone()
 
-    projected = gemv.linear_gemv(x, weight, qkv_bias, norm_weight=norm_weight, eps=EPS)
+    projected = gemv.linear_gemv(x, weight, qkv_bias, norm_weight=norm_weight, eps=EPS, weight_scale=weight_scale)
     want = projected.clone()
     rope_write.rope_and_write_kv_cache(want, positions, rotary.cos, rotary.sin, None, None, num_heads,
                                        num_kv_heads, head_size)
     out = torch.full((num_tokens, width), float("nan"), dtype=dtype, device=DEVICE)
     got = rope_write.project_rope_and_write_kv_cache(
         x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
-        norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out,
+        norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out, weight_scale=weight_scale,
     )
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
@@ -127,6 +131,13 @@ def test_without_norm():
 def test_fp8_cache():
     """Keys and values each divided by their own scale before the e4m3 rounding."""
     check(4, 2, 1, 64, 64, torch.bfloat16, cache_dtype=FP8, scales=(0.25, 2.0), seed=5)
+
+
+@pytest.mark.parametrize("cache", ["model dtype", "fp8"])
+def test_fp8_weights(cache):
+    fp8 = cache == "fp8"  # scales apply to an fp8 cache only
+    check(3, 4, 2, 64, 96, torch.bfloat16, bias=True, cache_dtype=FP8 if fp8 else None,
+          scales=(0.5, 2.0) if fp8 else (1.0, 1.0), seed=17, fp8_weight=True)
 
 
 def test_without_cache_only_projects_and_rotates():
@@ -182,6 +193,15 @@ def test_fp8_cache_gpu():
     check(1, 32, 8, 128, 4096, torch.bfloat16, cache_dtype=FP8, scales=(0.25, 2.0), seed=11)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden,bias", [
+    (32, 8, 64, 2048, False), (32, 8, 128, 4096, False), (9, 3, 64, 576, False), (28, 4, 128, 3584, True)])
+def test_fp8_weights_gpu(num_heads, num_kv_heads, head_size, hidden, bias):
+    check(1, num_heads, num_kv_heads, head_size, hidden, torch.bfloat16, bias=bias, cache_dtype=FP8,
+          scales=(0.5, 2.0), seed=hidden, fp8_weight=True)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(32, 8, 64, 2048), (32, 8, 128, 4096),
                                                                      (9, 3, 64, 576), (16, 2, 80, 1280)])
 def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
@@ -191,17 +211,21 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
 
     width = (num_heads + 2 * num_kv_heads) * head_size
     cases = []
-    for dtype, cache, bias in (("bf16", "bf16", False), ("bf16", "fp8e4nv", True), ("fp32", "fp32", False)):
-        tile = rope_write.qkv_tile(hidden, width, head_size, 4 if dtype == "fp32" else 2)
+    for dtype, cache, bias, fp8_weight in (("bf16", "bf16", False, False), ("bf16", "fp8e4nv", True, False),
+                                           ("fp32", "fp32", False, False), ("bf16", "bf16", False, True),
+                                           ("bf16", "fp8e4nv", True, True)):
+        tile = rope_write.qkv_tile(hidden, width, head_size, 1 if fp8_weight else 4 if dtype == "fp32" else 2)
         pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr")}
+        pointers.update(scale_ptr="*fp32", **({"w_ptr": "*fp8e4nv"} if fp8_weight else {}))
         cases.append(dict(
-            name=f"{dtype}-{cache}", module="graphrt.attention.triton_rope_cache_write", kernel="_qkv_rope_cache_kernel",
+            name=f"{dtype}-{cache}{'-fp8-weight' if fp8_weight else ''}",
+            module="graphrt.attention.triton_rope_cache_write", kernel="_qkv_rope_cache_kernel",
             signature={**pointers, "cache_ptr": f"*{cache}", "positions_ptr": "*i64", "cos_ptr": "*fp32",
                        "sin_ptr": "*fp32", "slot_ptr": "*i64", "stride_cache_kind": "i64", "eps": "fp32",
                        "inv_k_scale": "fp32", "inv_v_scale": "fp32",
                        **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")}},
             constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=True,
-                            HAS_BIAS=bias, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
+                            HAS_BIAS=bias, W_SCALED=fp8_weight, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
                             BLOCK_K=tile.block_k, NORM_BLOCK=gemv.norm_block(hidden), PDL=True),
             num_warps=tile.num_warps, num_stages=3, launch_pdl=True,
             aligned_ints=["stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K"]))

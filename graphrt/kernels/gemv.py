@@ -40,6 +40,9 @@ from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 
+#: The one-byte weight format the kernels read besides the activations' dtype (with a scale per row).
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+
 #: Rows sit on the launch grid's second axis, which CUDA caps at 65535.
 _MAX_GRID_ROWS = 65535
 
@@ -74,11 +77,13 @@ def row_products(
     n_mask,  # [BLOCK_N] rows that exist
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
     addend_ptrs,  # [BLOCK_N] what the caller's epilogue adds (read only with ADDEND)
+    scale_ptr,  # [rows of W] float32 per-row scales of an FP8 weight (read only with W_SCALED)
     K,
     eps,
     NORM: tl.constexpr,
     PAIRED: tl.constexpr,
     ADDEND: tl.constexpr,
+    W_SCALED: tl.constexpr,  # W holds FP8 codes: the products are multiplied by their rows' scales
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # with NORM: the row's elements one load takes (norm_block: a power of two)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
@@ -86,7 +91,9 @@ def row_products(
 ):
     """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
     each (without PAIRED the second is the first), and with ADDEND the values at ``addend_ptrs`` as
-    float32 [BLOCK_N] (zeros without). With PDL it lets the next kernel start, loads the first weight
+    float32 [BLOCK_N] (zeros without). With W_SCALED, W is FP8 (E4M3) codes whose real values are
+    ``code * scale[row]``: the codes are widened to float32 in registers and each product is scaled
+    once after the sum (the same value as summing the dequantised weights). With PDL it lets the next kernel start, loads the first weight
     and norm-weight slices, then waits for the previous kernel before reading x and the addend: call it
     before anything in the kernel that reads what the step's kernels write (only what none of them
     writes, weights, tables and the step's host-uploaded inputs, may be read before it; see
@@ -111,6 +118,10 @@ def row_products(
     w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
     if PAIRED:
         paired_first = tl.load(paired_ptrs, mask=first_mask, other=0.0)
+    if W_SCALED:  # static like the weights
+        scale = tl.load(scale_ptr + rows, mask=n_mask, other=0.0)
+        if PAIRED:
+            paired_scale = tl.load(scale_ptr + paired_rows, mask=n_mask, other=0.0)
     norm_w = 1.0
     if NORM:
         # A norm weight is read by every program of the kernel at once, first from HBM: loaded before
@@ -152,9 +163,13 @@ def row_products(
             acc_paired += paired_w * x
 
     products = tl.sum(acc, axis=1)
+    if W_SCALED:
+        products = products * scale
     paired_products = products
     if PAIRED:
         paired_products = tl.sum(acc_paired, axis=1)
+        if W_SCALED:
+            paired_products = paired_products * paired_scale
     return products, paired_products, addend
 
 
@@ -174,6 +189,7 @@ def _gemv_kernel(
     w_ptr,  # [N, K], or [2 * N, K] gate then up with SILU_MUL
     bias_ptr,  # [N] (unused without HAS_BIAS)
     norm_w_ptr,  # [K] RMSNorm weight (unused without NORM)
+    scale_ptr,  # [N] or [2 * N] float32 per-row scales of an FP8 weight (unused without W_SCALED)
     out_ptr,  # [M, N]; with ADD_TO_OUT read and updated in place
     stride_x,
     stride_w,
@@ -184,6 +200,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_SCALED: tl.constexpr,  # w holds FP8 codes, real values code * scale[row]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
@@ -198,8 +215,9 @@ def _gemv_kernel(
         bias = tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     # With SILU_MUL a program computes gate outputs n and up outputs I + n together; with ADD_TO_OUT
     # row_products reads out's values (the residual stream) along with the row.
-    result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs, K,
-                                      eps, NORM, EPILOGUE == 2, EPILOGUE == 1, BLOCK_K, NORM_BLOCK, PDL, dtype)
+    result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs,
+                                      scale_ptr, K, eps, NORM, EPILOGUE == 2, EPILOGUE == 1, W_SCALED, BLOCK_K,
+                                      NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         result += bias
     store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
@@ -243,13 +261,16 @@ MEASURED_TILES = {
 }
 
 
-def general_config(in_features: int, silu_mul: bool = False) -> TileConfig:
+def general_config(in_features: int, silu_mul: bool = False, element_size: int = 2) -> TileConfig:
     """The tile for shapes nobody measured: 8 outputs a program, K slices of up to 1024, 8 warps (4
     with SiLU * up, whose programs carry gate and up tiles). On the measured matrices it came close to
     the best tile on some and far from it on others (profiles/notes_fusion.md), hence
     ``MEASURED_TILES``; the loads are not software-pipelined, so each slice must carry many bytes, and
-    few outputs a program keep enough programs in flight for the smallest matrices."""
-    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
+    few outputs a program keep enough programs in flight for the smallest matrices. One-byte (FP8)
+    weights without SiLU * up take slices of up to 2048, the bytes of a 16-bit slice of 1024 (the
+    float32 products of a paired tile would not fit in registers at that depth)."""
+    longest = 2048 if element_size == 1 and not silu_mul else 1024
+    block_k = min(longest, max(16, triton.next_power_of_2(in_features)))
     return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
 
 
@@ -258,13 +279,14 @@ def default_config(in_features: int, weight_rows: int | None = None, silu_mul: b
     """The tile for a ``[weight_rows, in_features]`` weight: the measured one (``MEASURED_TILES``) for
     16-bit weights of a measured shape, else ``general_config``'s."""
     measured = MEASURED_TILES.get((weight_rows, in_features, silu_mul)) if element_size == 2 else None
-    return measured if measured is not None else general_config(in_features, silu_mul)
+    return measured if measured is not None else general_config(in_features, silu_mul, element_size)
 
 
 def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
-                   paired_bias_free: bool = False) -> tuple[int, int]:
+                   paired_bias_free: bool = False, weight_scale: torch.Tensor | None = None) -> tuple[int, int]:
     """Checks a GEMV's inputs (shapes and dtypes as ``linear_gemv`` documents them); returns (M, K).
-    ``paired_bias_free``: the weight's rows come in two halves (gate then up) and take no bias."""
+    ``paired_bias_free``: the weight's rows come in two halves (gate then up) and take no bias.
+    ``weight_scale``: the per-row scales an FP8 weight needs (and only an FP8 weight takes)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
     rows, in_features = x.shape
@@ -273,9 +295,18 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     for name, vector in (("bias", bias), ("norm weight", norm_weight)):
         if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
             raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
-    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or weight.dtype != x.dtype:
+    fp8 = weight.dtype == FP8_WEIGHT_DTYPE
+    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or (
+            weight.dtype != x.dtype and not fp8):
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} must be a contiguous [N, {in_features}] "
-                         f"{x.dtype} tensor")
+                         f"{x.dtype} or float8_e4m3fn tensor")
+    if fp8 != (weight_scale is not None):
+        raise ValueError("an FP8 weight needs weight_scale (float32, one per weight row), and only an FP8 weight "
+                         "takes one")
+    if fp8 and (weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32
+                or not weight_scale.is_contiguous() or weight_scale.device != x.device):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype} must be a contiguous "
+                         f"float32 [{weight.shape[0]}] tensor on {x.device}, one scale per weight row")
     out_features = weight.shape[0]
     if paired_bias_free:
         if out_features % 2 or bias is not None:
@@ -305,13 +336,15 @@ def output_for(x: torch.Tensor, out: torch.Tensor | None, out_features: int) -> 
 
 def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, epilogue: int,
-                    out: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+                    out: torch.Tensor | None, weight_scale: torch.Tensor | None = None,
+                    ) -> tuple[int, int, int, torch.Tensor]:
     """Checks a fused linear launch's operands as ``linear_gemv`` documents them (epilogue, shapes,
     dtypes, the residual add's ``out``); returns (rows, in_features, out_features, out), ``out``
     allocated when None."""
     if epilogue not in (EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL):
         raise ValueError(f"unknown epilogue {epilogue!r}")
-    rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL)
+    rows, in_features = check_operands(x, weight, bias, norm_weight, paired_bias_free=epilogue == EPILOGUE_SILU_MUL,
+                                       weight_scale=weight_scale)
     out_features = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     if out is None and epilogue == EPILOGUE_ADD_TO_OUT:
         raise ValueError("the residual-add epilogue needs out, the tensor to add into")
@@ -329,12 +362,14 @@ def linear_gemv(
     out: torch.Tensor | None = None,
     config: TileConfig | None = None,
     dependent_launch: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for a row or a few, optionally with RMSNorm before and SiLU * up or
     a residual add after, in one kernel.
 
     x: [M, K] (columns contiguous), model dtype (fp16/bf16/fp32); weight: [N_w, K] contiguous, same
-    dtype; bias: None or [N_w] (not with SILU_MUL); norm_weight: None, or [K]: x is normalised first,
+    dtype, or ``torch.float8_e4m3fn`` codes with ``weight_scale`` [N_w] float32 (real weights ``code *
+    scale[row]``, widened in registers: W8A16); bias: None or [N_w] (not with SILU_MUL); norm_weight: None, or [K]: x is normalised first,
     ``norm_weight * x / rms(x)`` with ``eps``. epilogue:
 
     * ``EPILOGUE_STORE``: returns ``out`` [M, N_w];
@@ -347,14 +382,17 @@ def linear_gemv(
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
     """
-    rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out)
+    rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out, weight_scale)
     if rows == 0:
         return out
-    config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL, x.element_size())
+    config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL,
+                                      weight.element_size())
     _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
-        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight, out,
+        x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
+        weight if weight_scale is None else weight_scale, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        W_SCALED=weight_scale is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block(in_features),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
