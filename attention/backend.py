@@ -63,15 +63,20 @@ class AttentionImpl(ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
-        kv_scale: float = 1.0,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         kv_cache_written: bool = False,
         dependent_launch: bool = False,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and attend.
 
         query: [T, H * D]; key, value: [T, KVH * D]; kv_cache: the backend's cache for this layer
-        (see ``get_kv_cache_shape``), or None while profiling memory (nothing is cached, every
-        sequence must then have an empty context). ``kv_cache_written=True``: the caller already
+        (see ``get_kv_cache_shape``) in the model dtype or ``torch.float8_e4m3fn``, or None while
+        profiling memory (nothing is cached, every sequence must then have an empty context). An fp8
+        cache stores ``k / k_scale`` and ``v / v_scale`` (saturated at +-448, rounded to nearest-even)
+        and reads back stored values times the scales; a 16-bit cache ignores the scales. This step's
+        own keys and values are attended as computed, unrounded, so a prompt gets the same numbers
+        whether or not the cache is fp8; cached ones are read as stored. ``kv_cache_written=True``: the caller already
         stored this step's K/V (e.g. ``triton_rope_cache_write``, fused with the rotary embedding), so
         only attend. ``dependent_launch=True``: the caller's device supports programmatic dependent
         launch (``graphrt.kernels.dependent_launch``) and a backend may launch its decode kernels so;

@@ -12,25 +12,45 @@ import torch
 from graphrt.attention.backend import AttentionBackend, AttentionImpl
 from graphrt.attention.metadata import AttentionMetadata
 
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8_CACHE_DTYPE).max)
+
+
+def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What a cache of ``dtype`` stores for ``values``: an fp8 cache ``values / scale`` computed in
+    float32, saturated at +-448 and rounded to nearest-even; any other the values cast."""
+    if dtype != FP8_CACHE_DTYPE:
+        return values.to(dtype)
+    return (values.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
+
+
+def from_cache(stored: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cached values as float32: an fp8 cache's times its scale."""
+    return stored.float() * scale if stored.dtype == FP8_CACHE_DTYPE else stored.float()
+
 
 def write_to_paged_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_kv_heads: int,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Store new K/V at their slots. Rows whose slot is -1 (graph padding) go to slot 0, inside the
     null block that no real sequence reads: selecting only the real rows would need a host sync.
 
-    key, value: [T, KVH * D]; kv_cache: [2, num_blocks, block_size * KVH * D]; slot_mapping: [T] int64.
+    key, value: [T, KVH * D]; kv_cache: [2, num_blocks, block_size * KVH * D] in the model dtype or
+    fp8 (``to_cache_dtype``, with ``k_scale`` / ``v_scale``); slot_mapping: [T] int64.
     """
     head_size = key.shape[-1] // num_kv_heads
     slots = slot_mapping.clamp(min=0)
-    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key.view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value.view(-1, num_kv_heads, head_size).to(kv_cache.dtype)
+    for kind, values, scale in ((0, key, k_scale), (1, value, v_scale)):
+        kv_cache[kind].view(-1, num_kv_heads, head_size)[slots] = to_cache_dtype(
+            values.view(-1, num_kv_heads, head_size), kv_cache.dtype, scale)
 
 
 def gather_from_paged_cache(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, num_kv_heads: int, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` cached keys and values of one sequence, each [seq_len, KVH, D].
+    """The first ``seq_len`` cached keys and values of one sequence, each [seq_len, KVH, D], as
+    stored (``from_cache`` reads them).
 
     block_table: [M] int32 physical block ids of the sequence.
     """
@@ -38,7 +58,7 @@ def gather_from_paged_cache(
     block_size = kv_cache.shape[2] // (num_kv_heads * head_size)
     used = block_table[: -(-seq_len // block_size)].long()
     blocks = kv_cache.view(2, num_blocks, block_size, num_kv_heads, head_size)[:, used]
-    flat = blocks.reshape(2, -1, num_kv_heads, head_size)[:, :seq_len]
+    flat = blocks.reshape(2, used.shape[0] * block_size, num_kv_heads, head_size)[:, :seq_len]
     return flat[0], flat[1]
 
 
@@ -85,8 +105,11 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence over its paged keys, batched, without host syncs: safe to capture.
+    An fp8 cache's values are read times ``k_scale`` / ``v_scale``.
 
     query: [B, H, D], each at position ``seq_lens - 1``; block_tables: [B, M] int32; seq_lens: [B]
     int32. Every row gathers the first ``ceil(max_seq_len / block_size)`` blocks of its table (a bound
@@ -99,8 +122,8 @@ def decode_attention(
     used_blocks = max(1, -(-max_seq_len // block_size))
     table = block_tables[:, :used_blocks].long()  # [B, Mu]
     cache = kv_cache.view(2, num_blocks, block_size, num_kv_heads, head_size)
-    keys = cache[0][table].reshape(batch, -1, num_kv_heads, head_size).float()  # [B, L, KVH, D]
-    values = cache[1][table].reshape(batch, -1, num_kv_heads, head_size).float()
+    keys = from_cache(cache[0][table].reshape(batch, -1, num_kv_heads, head_size), k_scale)  # [B, L, KVH, D]
+    values = from_cache(cache[1][table].reshape(batch, -1, num_kv_heads, head_size), v_scale)
     group = num_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, head_size)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # [B, KVH, G, L]
@@ -141,39 +164,48 @@ def attend_uncached_prompts(
 class ReferenceAttentionImpl(AttentionImpl):
     """float32 attention in plain torch: prefills one sequence at a time, decodes batched."""
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
-                kv_cache_written: bool = False, dependent_launch: bool = False):
+    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0, kv_cache_written: bool = False, dependent_launch: bool = False):
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
+        if kv_cache is None or kv_cache.dtype != FP8_CACHE_DTYPE:
+            k_scale = v_scale = 1.0
+        scales = (k_scale, v_scale)
         if kv_cache is not None and not kv_cache_written:
-            write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads)
+            write_to_paged_cache(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], self.num_kv_heads,
+                                 *scales)
         alibi = self.alibi_slopes_on(query.device)
         out = torch.empty_like(q)
         num_prefill_tokens = attn_metadata.num_prefill_tokens
         prefill = attn_metadata.prefill_metadata
         if prefill is not None:
-            self._prefill(q, key, value, kv_cache, prefill, alibi, out)
+            self._prefill(q, key, value, kv_cache, prefill, alibi, scales, out)
         decode = attn_metadata.decode_metadata
         if decode is not None:
             if kv_cache is None:
                 raise ValueError("decoding needs a KV cache")
             out[num_prefill_tokens:] = decode_attention(
                 q[num_prefill_tokens:], kv_cache, decode.block_tables, decode.seq_lens_tensor,
-                decode.max_decode_seq_len, self.num_kv_heads, self.scale, self.sliding_window, alibi,
+                decode.max_decode_seq_len, self.num_kv_heads, self.scale, self.sliding_window, alibi, *scales,
             ).to(out.dtype)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
-    def _prefill(self, q, key, value, kv_cache, metadata: AttentionMetadata, alibi, out) -> None:
-        """One sequence at a time (host lengths); prefills occupy the first tokens of the step."""
+    def _prefill(self, q, key, value, kv_cache, metadata: AttentionMetadata, alibi, scales, out) -> None:
+        """One sequence at a time (host lengths); prefills occupy the first tokens of the step. Each
+        attends over its cached context (read as stored) and this step's keys and values as computed."""
+        num = metadata.num_prefill_tokens
+        new_k = key[:num].view(num, self.num_kv_heads, self.head_size)
+        new_v = value[:num].view(num, self.num_kv_heads, self.head_size)
         if kv_cache is None:
-            num = metadata.num_prefill_tokens
-            k = key[:num].view(num, self.num_kv_heads, self.head_size)
-            v = value[:num].view(num, self.num_kv_heads, self.head_size)
-            attend_uncached_prompts(q, k, v, metadata, self.scale, self.sliding_window, alibi, out)
+            attend_uncached_prompts(q, new_k, new_v, metadata, self.scale, self.sliding_window, alibi, out)
             return
         token = 0
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
-            k, v = gather_from_paged_cache(kv_cache, metadata.block_tables[i], seq_len, self.num_kv_heads, self.head_size)
+            cached_k, cached_v = gather_from_paged_cache(kv_cache, metadata.block_tables[i], seq_len - q_len,
+                                                         self.num_kv_heads, self.head_size)
+            rows = slice(token, token + q_len)
+            k = torch.cat([from_cache(cached_k, scales[0]), new_k[rows].float()])
+            v = torch.cat([from_cache(cached_v, scales[1]), new_v[rows].float()])
             out[token:token + q_len] = attend(
                 q[token:token + q_len], k, v, seq_len - q_len, self.scale, self.sliding_window, alibi
             ).to(out.dtype)

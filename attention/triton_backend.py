@@ -42,12 +42,14 @@ class TritonAttentionImpl(AttentionImpl):
         self._xformers = xformers_prefill
         self._use_xformers = xformers_status().usable
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, kv_scale: float = 1.0,
-                kv_cache_written: bool = False, dependent_launch: bool = False):
+    def forward(self, query, key, value, kv_cache, attn_metadata: AttentionMetadata, k_scale: float = 1.0,
+                v_scale: float = 1.0, kv_cache_written: bool = False, dependent_launch: bool = False):
         num_tokens = query.shape[0]
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
+        if kv_cache is None or kv_cache.dtype != torch.float8_e4m3fn:
+            k_scale = v_scale = 1.0  # the kernels read a 16-bit cache unscaled
         if kv_cache is not None and not kv_cache_written:
-            self._write(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], kv_heads, kv_scale, kv_scale)
+            self._write(key, value, kv_cache, attn_metadata.slot_mapping[:num_tokens], kv_heads, k_scale, v_scale)
         alibi = self.alibi_slopes_on(query.device)
         q = query.view(num_tokens, heads, size)
         out = torch.empty_like(q)
@@ -56,7 +58,8 @@ class TritonAttentionImpl(AttentionImpl):
         if prefill is not None:
             k = key[:num_prefill_tokens].view(num_prefill_tokens, kv_heads, size)
             v = value[:num_prefill_tokens].view(num_prefill_tokens, kv_heads, size)
-            self._run_prefill(q[:num_prefill_tokens], k, v, kv_cache, prefill, alibi, kv_scale, out[:num_prefill_tokens])
+            self._run_prefill(q[:num_prefill_tokens], k, v, kv_cache, prefill, alibi, (k_scale, v_scale),
+                              out[:num_prefill_tokens])
         decode = attn_metadata.decode_metadata
         if decode is not None:
             if kv_cache is None:
@@ -65,11 +68,11 @@ class TritonAttentionImpl(AttentionImpl):
                 out[num_prefill_tokens:], q[num_prefill_tokens:], kv_cache, decode.block_tables,
                 decode.seq_lens_tensor, decode.max_decode_seq_len, self.scale, kv_heads, decode.block_size,
                 workspace=attn_metadata.decode_workspace, alibi_slopes=alibi, sliding_window=self.sliding_window,
-                k_scale=kv_scale, v_scale=kv_scale, dependent_launch=dependent_launch,
+                k_scale=k_scale, v_scale=v_scale, dependent_launch=dependent_launch,
             )
         return out.view(num_tokens, heads * size)
 
-    def _run_prefill(self, q, k, v, kv_cache, prefill: AttentionMetadata, alibi, kv_scale, out) -> None:
+    def _run_prefill(self, q, k, v, kv_cache, prefill: AttentionMetadata, alibi, kv_scales, out) -> None:
         uncached = all(c == 0 for c in prefill.context_lens)
         if uncached and self._use_xformers:  # flash for fp16/bf16; xFormers dispatches fp32 to cutlass
             plan = _shared_prefill_plan(self._xformers, prefill, heads=self.num_heads, dtype=q.dtype,
@@ -83,7 +86,7 @@ class TritonAttentionImpl(AttentionImpl):
             return
         self._prefix_prefill(
             q, k, v, kv_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens_tensor,
-            prefill.max_query_len, self.scale, self.sliding_window, alibi, kv_scale, kv_scale, out=out,
+            prefill.max_query_len, self.scale, self.sliding_window, alibi, *kv_scales, out=out,
         )
 
 

@@ -19,27 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-#: Largest finite float8_e4m3fn value; larger magnitudes are clamped before the cast.
-FP8_MAX_VALUE: tl.constexpr = tl.constexpr(448.0)
+from graphrt.kernels.rounding import round_to_e4m3
 
 #: Elements of one token's ``KVH * D`` row that one program stores.
 _BLOCK = 1024
-
-
-@triton.jit
-def _round_to_e4m3_grid(x):
-    """float32 -> nearest float8_e4m3fn value (ties to even, saturating), still as float32."""
-    bits = x.to(tl.int32, bitcast=True)
-    magnitude = tl.minimum(tl.abs(x), FP8_MAX_VALUE)
-    biased_exp = (magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    # Subnormals (below 2**-6) share the spacing of the smallest normal binade: 2**-9.
-    biased_exp = tl.maximum(biased_exp, 127 - 6)
-    ulp = ((biased_exp - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    inv_ulp = ((257 - biased_exp) << 23).to(tl.float32, bitcast=True)
-    steps = magnitude * inv_ulp  # exact (power of two), below 16
-    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds to the nearest integer, ties to even
-    rounded = (steps * ulp).to(tl.int32, bitcast=True) | (bits & -2147483648)  # restore the sign bit
-    return rounded.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -67,8 +50,8 @@ def _write_kv_cache_kernel(
     v = tl.load(value_ptr + token.to(tl.int64) * stride_value_row + offs, mask=mask)
     dst = cache_ptr + slot * ROW + offs
     if QUANTIZE:
-        k = _round_to_e4m3_grid(k.to(tl.float32) * inv_k_scale)
-        v = _round_to_e4m3_grid(v.to(tl.float32) * inv_v_scale)
+        k = round_to_e4m3(k.to(tl.float32) * inv_k_scale)
+        v = round_to_e4m3(v.to(tl.float32) * inv_v_scale)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_cache_kind, v.to(cache_ptr.dtype.element_ty), mask=mask)
 

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.attention.triton_cache_write import _round_to_e4m3_grid
 from graphrt.kernels import gemv
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
-from graphrt.kernels.rounding import round_to
+from graphrt.kernels.rounding import round_to, round_to_e4m3
 
 
 @triton.jit
@@ -45,7 +44,7 @@ def _rotate_halves(first, second, cos, sin, DTYPE: tl.constexpr):
 def _store_cache(ptrs, values, inv_scale, mask, QUANTIZE: tl.constexpr):
     """Store ``values`` in the cache's dtype; an fp8 cache gets ``values / scale``, saturated and rounded."""
     if QUANTIZE:
-        values = _round_to_e4m3_grid(values.to(tl.float32) * inv_scale)
+        values = round_to_e4m3(values.to(tl.float32) * inv_scale)
     tl.store(ptrs, values.to(ptrs.dtype.element_ty), mask=mask)
 
 

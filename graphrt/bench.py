@@ -7,7 +7,8 @@ replay alone is timed too, on the GPU (CUDA events around ``graph.replay()``): t
 step without the host's share; and pipelined steps, as the engine runs them with ``async_decode``
 (each step queued, fed by the previous one's tokens on the device, before that step's tokens are read):
 the interval between consecutive steps' tokens, where the host's share overlaps the replay. The floor
-is (weight bytes + KV bytes read) / the HBM read bandwidth measured in the same run.
+is (weight bytes + KV bytes read, as stored: FP8 weights and their scales, the cache's dtype) / the HBM
+read bandwidth measured in the same run.
 ``compare_unfused`` times the same graphs built with the unfused reference kernels beside them.
 """
 
@@ -77,20 +78,22 @@ def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
 
 
 def weight_bytes_read(engine: LLMEngine, batch_size: int) -> int:
-    """Bytes of weights one decode step reads: every matrix once; of the embedding table, only the
-    looked-up rows unless it is also the (tied) LM head, which reads it whole."""
+    """Bytes of weights one decode step reads, as stored: every matrix once (FP8 layers' codes and
+    their scales), of the embedding table only the looked-up rows unless it is also the (tied) LM
+    head, which reads it whole. The rotary tables (not weights: a row a token) are left out."""
     total = 0
-    for name, param in engine.model.named_parameters():
+    for name, tensor in engine.model.state_dict().items():
         if name == "embed_tokens.weight" and engine.model.lm_head is not None:
-            total += batch_size * param.shape[1] * param.element_size()
+            total += batch_size * tensor.shape[1] * tensor.element_size()
         else:
-            total += param.numel() * param.element_size()
+            total += tensor.numel() * tensor.element_size()
     return total
 
 
 def kv_bytes_read(engine: LLMEngine, batch_size: int, context: int) -> int:
+    """Bytes of cached keys and values one decode step reads, in the cache's dtype."""
     cfg = engine.model_config
-    element = torch.empty((), dtype=engine.dtype).element_size()
+    element = torch.empty((), dtype=engine.kv_cache_dtype).element_size()
     return batch_size * context * cfg.num_hidden_layers * 2 * cfg.kv_size * element
 
 
@@ -176,10 +179,12 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
 
 def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int,
               fused_kernels: bool | None = None, compare_unfused: bool = False,
-              params: SamplingParams | None = None, dependent_launch: bool | None = None) -> dict:
+              params: SamplingParams | None = None, dependent_launch: bool | None = None,
+              quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
 
-    ``fused_kernels``, ``dependent_launch``: as the ``EngineConfig`` fields; ``compare_unfused``: also time the graphs
+    ``fused_kernels``, ``dependent_launch``, ``quantization``, ``kv_cache_dtype``: as the
+    ``EngineConfig`` fields; ``compare_unfused``: also time the graphs
     with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy). Raises
     ConfigError, before building anything, for no points or fewer than one step."""
     if steps < 1 or not batch_sizes or not contexts or min(*batch_sizes, *contexts) < 1:
@@ -189,11 +194,13 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
     bandwidth = measure_read_bandwidth(dev) if use_cuda else None
+    storage = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     rows = []
+    cache_dtype = weights_as = None
     for context in contexts:
         for batch_size in batch_sizes:
             eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True,
-                                         fused_kernels=fused_kernels, dependent_launch=dependent_launch)
+                                         fused_kernels=fused_kernels, dependent_launch=dependent_launch, **storage)
             batch = fill_decode_batch(eager_engine, batch_size, context, params)
             eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
             weights = weight_bytes_read(eager_engine, batch_size)
@@ -201,15 +208,17 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
             fused = eager_engine.fused_kernels
             gemv_layers = eager_engine.model.kernel_policy.runs_gemv(batch_size)
             launched_as_dependents = eager_engine.dependent_launch
+            cache_dtype = str(eager_engine.kv_cache_dtype).removeprefix("torch.")
+            weights_as = eager_engine.quantization
             del eager_engine, batch
             graph_ms = replay_ms = pipelined_ms = capture_s = pool = unfused_ms = unfused_replay = None
             if use_cuda:
                 graph_ms, replay_ms, pipelined_ms, capture_s, pool = time_graphs(
                     model, dev, dtype, batch_size, context, steps, fused_kernels, params,
-                    dependent_launch=dependent_launch)
+                    dependent_launch=dependent_launch, **storage)
                 if compare_unfused and fused:
                     unfused_ms, unfused_replay, _, _, _ = time_graphs(
-                        model, dev, dtype, batch_size, context, steps, False, params)
+                        model, dev, dtype, batch_size, context, steps, False, params, **storage)
             best = graph_ms if graph_ms is not None else eager_ms
             floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
             rows.append(BenchRow(
@@ -230,6 +239,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     return {
         "model": model,
         "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch."),
+        "quantization": weights_as,  # None: the decoder weights in the model dtype
+        "kv_cache_dtype": cache_dtype,
         "device": torch.cuda.get_device_name(dev) if use_cuda else "cpu",
         "torch": torch.__version__,
         "hbm_read_bandwidth_gbps": None if bandwidth is None else round(bandwidth / 1e9, 1),
@@ -296,7 +307,8 @@ def main(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
                        fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
-                       compare_unfused=args.compare_unfused, params=params)
+                       compare_unfused=args.compare_unfused, params=params, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

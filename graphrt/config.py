@@ -30,6 +30,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+#: Values ``EngineConfig.kv_cache_dtype`` takes: "auto" stores the cache in the model dtype.
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype: the model's for "auto", ``torch.float8_e4m3fn`` for "fp8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``"auto"``/None picks CUDA when present; asking for CUDA without one is an error."""
     if device in (None, "auto"):
@@ -105,11 +116,15 @@ class EngineConfig:
     #: a bucket that fails decodes eagerly from then on. 0 = off; None = ``GRAPHRT_CHECK_GRAPHS`` (an
     #: integer >= 0) or 0. Resolved to an int when the config is built.
     check_graphs: int | None = None
-    #: Weight quantization of the decoder layers' linear layers: None (the model dtype) or "fp8" (FP8
-    #: E4M3, one float32 scale per output channel, quantized at load; ``graphrt.models.fp8``). The
-    #: embedding and the LM head stay in the model dtype. CPU only so far: it runs the dequantising
-    #: reference path, which CUDA would run slower than the 16-bit model.
+    #: Weight quantization of the decoder layers' linear layers: None (the model dtype; an FP8
+    #: checkpoint still loads as FP8) or "fp8": FP8 E4M3 with float32 scales, a 16-bit checkpoint
+    #: quantized at load with one scale per output channel (``graphrt.models.fp8``). The embedding and
+    #: the LM head stay in the model dtype. On CUDA one-token forwards run W8A16 GEMV kernels and larger
+    #: ones FP8 tensor cores (sm_89+); on CPU the dequantising reference path.
     quantization: str | None = None
+    #: The KV cache's storage: "auto" (the model dtype) or "fp8" (E4M3, half a 16-bit cache's bytes; it
+    #: stores ``k / k_scale`` and ``v / v_scale`` with each layer's scales from the checkpoint, else 1.0).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -129,6 +144,7 @@ class EngineConfig:
         elif not is_count(self.check_graphs):
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
         self.check_graphs = int(self.check_graphs)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # refuses an unknown name now
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")

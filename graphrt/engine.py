@@ -18,7 +18,7 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeGraphRunner, PendingTokens
-from graphrt.config import EngineConfig, resolve_device, resolve_dtype
+from graphrt.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from graphrt.host_memory import return_freed_host_memory
 from graphrt.kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from graphrt.loader import load_weights_into, open_checkpoint
@@ -63,27 +63,25 @@ class LLMEngine:
             if self.fused_kernels and self.device.type == "cpu" and not triton_interpreter_on():
                 raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
                                   "interpreter (TRITON_INTERPRET=1, slow: meant for tests)")
-            if config.quantization is not None and self.device.type == "cuda":
-                raise ConfigError(f"quantization={config.quantization!r} runs on CPU only so far: its reference path "
-                                  "dequantises every weight each step, slower on CUDA than the 16-bit model")
+            # An FP8 checkpoint is FP8 without being asked; a 16-bit one is quantized at load when asked.
+            self.quantization = config.quantization or ("fp8" if self.model_config.fp8_checkpoint else None)
+            self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
             self.dependent_launch = self._resolve_dependent_launch()
             try:
                 model = LlamaForCausalLM(
                     self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,
                     fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch,
-                    quantization=config.quantization,
+                    quantization=self.quantization,
                 )
             except ValueError as exc:  # e.g. a head size the attention backend cannot run
                 raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
             load_weights_into(model, checkpoint, progress=progress)
-            if config.quantization is not None:
-                model.quantize_weights()
         self.model = model.eval()
 
         num_blocks = self._choose_num_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size)
         kv_caches = allocate_kv_caches(
-            self.model_config, self.attention_backend, num_blocks, config.block_size, self.dtype, self.device
+            self.model_config, self.attention_backend, num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
         self.decode_runner = DecodeGraphRunner(
             self.model, kv_caches, self.attention_backend,
@@ -393,9 +391,9 @@ class LLMEngine:
             return cfg.num_kv_blocks
         if self.device.type == "cpu":
             if cfg.kv_cache_bytes is not None:
-                return num_blocks_for_bytes(cfg.kv_cache_bytes, self.model_config, cfg.block_size, self.dtype)
+                return num_blocks_for_bytes(cfg.kv_cache_bytes, self.model_config, cfg.block_size, self.kv_cache_dtype)
             return default_cpu_num_blocks(
-                self.model_config, cfg.block_size, self.dtype, cfg.max_num_seqs, self.max_model_len
+                self.model_config, cfg.block_size, self.kv_cache_dtype, cfg.max_num_seqs, self.max_model_len
             )
         return self._profile_gpu_num_blocks()
 
@@ -411,7 +409,7 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.gpu_memory_utilization) - peak - held_elsewhere
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
         if budget < 2 * per_block:
             raise ConfigError(
                 f"no GPU memory left for the KV cache (weights and activations peak at {peak / 2**30:.2f} GiB); "

@@ -462,15 +462,19 @@ def profile_decode(
     nvtx: bool = False,
     fused_kernels: bool | None = None,
     dependent_launch: bool | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Build the workload, run ``warmup`` timed steps, record ``steps`` more with torch.profiler,
-    write the trace and return the breakdown (keys in the module docstring)."""
+    write the trace and return the breakdown (keys in the module docstring). ``fused_kernels``,
+    ``dependent_launch``, ``quantization``, ``kv_cache_dtype``: as the ``EngineConfig`` fields."""
     from torch.profiler import profile, schedule
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"profile needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     engine, batch = decode_workload(model, device, dtype, batch_size, context, enforce_eager, nvtx=nvtx,
-                                    fused_kernels=fused_kernels, dependent_launch=dependent_launch)
+                                    fused_kernels=fused_kernels, dependent_launch=dependent_launch,
+                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     runner, dev = engine.decode_runner, engine.device
     unprofiled = []
     for _ in range(max(warmup, 1)):
@@ -524,6 +528,8 @@ def profile_decode(
         "mode": "cuda_graph" if replays else "eager",
         "fused_kernels": engine.fused_kernels,
         "dependent_launch": engine.dependent_launch,
+        "quantization": engine.quantization,
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "eager_reason": None if replays else runner.eager_reason,
         "decode_stats": runner.stats.as_dict(),
         "trace": str(trace),
@@ -621,10 +627,12 @@ def format_breakdown(r: dict) -> str:
 
 
 def main(args) -> int:
+    from graphrt.cli import kernel_options
+
     result = profile_decode(
         args.model, batch_size=args.batch_size, context=args.context, steps=args.steps, warmup=args.warmup,
         dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, trace=args.trace, top=args.top,
-        nvtx=args.nvtx, fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
+        nvtx=args.nvtx, **kernel_options(args),
     )
     print(format_breakdown(result), flush=True)
     if args.json:

@@ -49,7 +49,10 @@ def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int,
     for sid in range(batch_size):
         bm.allocate(sid, context)
     for kv in engine.runner.kv_caches:
-        kv.normal_()
+        if kv.dtype == torch.float8_e4m3fn:  # no random kernel writes fp8: draw in bf16 and convert
+            kv.copy_(torch.randn(kv.shape, dtype=torch.bfloat16, device=kv.device))
+        else:
+            kv.normal_()
     return DecodeBatch(
         input_ids=[(7 * sid + 3) % engine.model_config.vocab_size for sid in range(batch_size)],
         positions=[context - 1] * batch_size,

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Every key the breakdown JSON documents (graphrt/profile.py), on every device.
 BREAKDOWN_KEYS = {
     "model", "device", "dtype", "torch", "batch_size", "context", "steps", "warmup_steps", "mode", "fused_kernels",
-    "dependent_launch",
+    "dependent_launch", "quantization", "kv_cache_dtype",
     "eager_reason", "decode_stats", "trace", "step_wall_us", "step_wall_us_unprofiled", *GPU_KEYS, "exposed_kernels",
     "top_kernels", "top_cpu_ops", "host_outside_ops_us_per_step", "notes",
 }

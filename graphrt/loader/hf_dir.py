@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from graphrt.base.errors import ConfigError, ModelLoadError
+from graphrt.loader.fp8_checkpoint import fp8_checkpoint_format
 from graphrt.loader.tokenizer import Tokenizer
 from graphrt.models.config import ModelConfig, token_ids_field
 
@@ -41,11 +42,7 @@ class HFCheckpoint:
                     yield name, tensor
 
     def num_tensors(self) -> int:
-        count = 0
-        for file in self.weight_files:
-            with _open_weights(file) as f:
-                count += len(f.keys())
-        return count
+        return sum(len(_tensor_names(file)) for file in self.weight_files)
 
 
 @contextmanager
@@ -65,14 +62,25 @@ def read_hf_dir(path: str | Path) -> HFCheckpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
+    raw = _read_json(config_file)
     try:
-        config = ModelConfig.from_hf_dict(_read_json(config_file))
+        config = ModelConfig.from_hf_dict(raw)
     except ConfigError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
     extra_eos = _generation_eos_ids(path)
     if extra_eos:
         config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *extra_eos))))
-    return HFCheckpoint(path, config, Tokenizer.from_hf_dir(path), _weight_files(path))
+    weight_files = _weight_files(path)
+    if raw.get("quantization_config") is not None:
+        names = [name for file in weight_files for name in _tensor_names(file)]
+        config = dataclasses.replace(config, fp8_checkpoint=fp8_checkpoint_format(
+            raw["quantization_config"], names, where=str(config_file)))
+    return HFCheckpoint(path, config, Tokenizer.from_hf_dir(path), weight_files)
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with _open_weights(file) as f:
+        return list(f.keys())
 
 
 def _generation_eos_ids(path: Path) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ import torch
 
 from graphrt.base.errors import ModelLoadError
 from graphrt.models.config import ModelConfig, RopeScaling
+from graphrt.models.fp8 import Fp8Linear
 
 PREFIX = "random:"
 #: RMSNorm weights of a random preset are 1 + N(0, NORM_WEIGHT_STD) (see ``RandomCheckpoint.initialize``).
@@ -56,18 +57,25 @@ class RandomCheckpoint:
 
     def initialize(self, model: torch.nn.Module) -> None:
         """Fill every parameter in place: biases with 0, matrices with N(0, init_std), norms with
-        1 + N(0, NORM_WEIGHT_STD)."""
+        1 + N(0, NORM_WEIGHT_STD). An FP8 layer's matrix is drawn in the model dtype, in the same order,
+        and quantized per row, so an FP8 model is the quantized 16-bit one of the same seed."""
         first = next(model.parameters())
         generator = torch.Generator(device=first.device).manual_seed(self.seed)
         with torch.no_grad():
             norms = []
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    norms.append(param)
-                elif name.endswith(".bias"):
-                    param.zero_()
-                else:
-                    param.normal_(0.0, self.init_std, generator=generator)
+            for module_name, module in model.named_modules():
+                if isinstance(module, Fp8Linear):
+                    drawn = torch.empty(module.out_features, module.in_features, dtype=first.dtype,
+                                        device=first.device)
+                    module.quantize_rows_from(0, drawn.normal_(0.0, self.init_std, generator=generator))
+                for param_name, param in module.named_parameters(recurse=False):
+                    name = f"{module_name}.{param_name}" if module_name else param_name
+                    if name.endswith("norm.weight"):
+                        norms.append(param)
+                    elif name.endswith(".bias"):
+                        param.zero_()
+                    else:
+                        param.normal_(0.0, self.init_std, generator=generator)
             # Norm weights are drawn around 1 rather than set to 1, so that no two norms are alike: with
             # unit weights a model that applies one norm's weight in another's place (the input norm's for
             # the post-attention norm's, say) computes the same thing and no comparison can tell. They are

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphrt.base.errors import ConfigError
+from graphrt.models.fp8 import Fp8CheckpointFormat
 
 #: Architectures the Llama-family decoder implements, by the name HF writes in ``config.json``.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -49,6 +50,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: How the checkpoint stores FP8 linear weights, or None for a 16-bit (or GGUF) checkpoint; set by
+    #: the loader from ``quantization_config`` (``graphrt.loader.fp8_checkpoint``).
+    fp8_checkpoint: Fp8CheckpointFormat | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

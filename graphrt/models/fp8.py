@@ -1,71 +1,169 @@
-"""FP8 (E4M3) weights with one float32 scale per output channel, and the reference path that runs them:
-dequantise to the activations' dtype, then the matmul (W8A16). Runs anywhere torch has
-``float8_e4m3fn``; it halves the weights' memory, not a step's time (the CUDA kernels that read FP8
-directly are separate work).
+"""FP8 (E4M3) linear weights: their scales, how checkpoints store them, and the layer that runs them.
 
-Quantisation (``quantize_per_channel``): ``scale[o] = max_i |W[o, i]| / 448`` (448 is E4M3's largest
-finite value) and ``Q[o, i] = round_to_e4m3(W[o, i] / scale[o])``; dequantisation ``W ~ Q * scale``.
-E4M3 keeps 3 mantissa bits, so a weight of normal range comes back within 2**-4 of itself (relative),
-and one under ``2**-6 * scale`` within ``2**-10 * scale`` (absolute: the subnormal step's half).
+A weight is codes ``Q [out, in]`` float8_e4m3fn times float32 scales, ``W = Q * scale``, one scale a
+row (``scale [out]``) or one a row and block of ``scale_columns`` input columns (``scale [out,
+ceil(in / scale_columns)]``: what block-scaled checkpoints hold, each block's scale repeated over its
+rows). A 16-bit weight is quantised here per row (``quantize_weight``): ``scale = max |W[o]| / 448``
+(448 is E4M3's largest finite value), ``Q = round_to_e4m3(W / scale)``. E4M3 keeps 3 mantissa bits, so a
+weight of normal range comes back within 2**-4 of itself (relative), and one under ``2**-6 * scale``
+within ``2**-10 * scale`` (absolute: the subnormal step's half).
+
+``Fp8Linear`` runs one of three paths, fixed when it is built: one-token decode layers call the GEMV
+kernels with its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward
+multiplies on FP8 tensor cores with per-token activation scales (``graphrt.kernels.fp8_matmul``:
+CUDA, row scales, widths of 16s), or dequantises and runs one matmul in the activations' dtype (the
+reference path: CPU, block scales, other widths).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from graphrt.base.errors import ModelLoadError
+
 FP8_DTYPE = torch.float8_e4m3fn
-#: E4M3's largest finite value: the per-channel scale maps each row's largest magnitude onto it.
+#: E4M3's largest finite value: a scale maps its group's largest magnitude onto it.
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 
 #: Values ``EngineConfig.quantization`` takes (None: weights stay in the model dtype).
 QUANTIZATIONS = ("fp8",)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] (any float dtype) -> (Q [out, in] float8_e4m3fn, scale [out] float32), computed
-    in float32. An all-zero row gets scale 1 (its codes are zeros)."""
+@dataclass(frozen=True)
+class Fp8CheckpointFormat:
+    """How an FP8 checkpoint scales its weights, read from its ``quantization_config``.
+
+    method: "fp8" (transformers' fine-grained FP8 and per-tensor tools) or "compressed-tensors".
+    weight_block: (rows, columns) of one scale's block, or None (one scale a tensor or a row, told
+    apart by the scale tensors' shapes). ignored: module names or ``re:`` patterns the checkpoint
+    keeps in 16 bits (graphrt quantises such decoder linears per row at load; the LM head stays 16-bit).
+    """
+
+    method: str
+    weight_block: tuple[int, int] | None = None
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def scale_columns(self) -> int | None:
+        """Input columns one scale covers (None: the whole row)."""
+        return None if self.weight_block is None else self.weight_block[1]
+
+
+def quantize_weight(weight: torch.Tensor, scale_columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] (any float dtype) -> (Q [out, in] float8_e4m3fn, scale float32 [out], or [out,
+    ceil(in / scale_columns)] with ``scale_columns``), computed in float32. An all-zero group gets
+    scale 1 (its codes are zeros)."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"expected a 2-D floating-point weight, got {tuple(weight.shape)} {weight.dtype}")
     w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, scale
+    rows, columns = w.shape
+    group = columns if scale_columns is None else scale_columns
+    groups = -(-columns // group) if columns else 1
+    padded = nn.functional.pad(w, (0, groups * group - columns)).view(rows, groups, group)
+    amax = padded.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [out, groups]
+    per_column = scale.repeat_interleave(group, dim=1)[:, :columns]
+    codes = (w / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, (scale[:, 0].contiguous() if scale_columns is None else scale)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight`` with one scale per output row: (Q [out, in] float8_e4m3fn, scale [out] float32)."""
+    return quantize_weight(weight)
+
+
+def scales_for_rows(scale: torch.Tensor, rows: int, columns: int, scale_columns: int | None,
+                    weight_block: tuple[int, int] | None, name: str) -> torch.Tensor:
+    """A checkpoint's scale tensor for a ``[rows, columns]`` weight, as the layer stores it: float32
+    [rows] (``scale_columns`` None) or [rows, ceil(columns / scale_columns)].
+
+    Accepted: one scale (per tensor: [], [1], [1, 1]), one a row ([rows] or [rows, 1]), or one a block
+    of ``weight_block`` ([ceil(rows / b0), ceil(columns / b1)], the blocks' scales repeated over their
+    rows). Every such form is exact in the layer's layout, except block scales in a layer of row scales
+    (ModelLoadError: the model was built for another format). ``name`` labels errors.
+    """
+    scale = scale.float()
+    groups = 1 if scale_columns is None else -(-columns // scale_columns)
+    if scale.numel() == 1:
+        per_row = scale.reshape(1, 1).expand(rows, groups)
+    elif tuple(scale.shape) in ((rows,), (rows, 1)):
+        per_row = scale.reshape(rows, 1).expand(rows, groups)
+    elif weight_block is not None and tuple(scale.shape) == (-(-rows // weight_block[0]),
+                                                             -(-columns // weight_block[1])):
+        if scale_columns != weight_block[1]:
+            raise ModelLoadError(f"{name}: block scales of {weight_block} do not fit a layer built for scales of "
+                                 f"{scale_columns or 'a whole row of'} columns")
+        per_row = scale.repeat_interleave(weight_block[0], dim=0)[:rows]
+    else:
+        expected = "[], [1], [rows] or [rows, 1]" if weight_block is None else (
+            f"one scale, one a row, or [{-(-rows // weight_block[0])}, {-(-columns // weight_block[1])}] "
+            f"for blocks of {weight_block}")
+        raise ModelLoadError(f"{name}: scale of shape {tuple(scale.shape)} does not fit a [{rows}, {columns}] "
+                             f"weight; expected {expected}")
+    if not torch.isfinite(per_row).all() or (per_row <= 0).any():
+        raise ModelLoadError(f"{name}: scales must be finite and positive")
+    return per_row[:, 0].contiguous() if scale_columns is None else per_row.contiguous()
 
 
 class Fp8Linear(nn.Module):
-    """``y = x @ (Q * scale)^T + bias`` with Q [out, in] float8_e4m3fn and scale [out] float32 (buffers),
-    bias [out] in the model dtype or None. The dequantised weight is computed in float32 and rounded to
-    x's dtype once, then one matmul (what the unquantised model does with a weight of those values)."""
+    """``y = x @ (Q * scale)^T + bias`` with Q [out, in] float8_e4m3fn and scale float32 [out] (or [out,
+    ceil(in / scale_columns)]) as buffers; bias [out] in the model dtype or None.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None) -> None:
+    ``tensor_cores``: multi-token forwards on FP8 tensor cores (``graphrt.kernels.fp8_matmul``; CUDA
+    sm_89+; taken only with row scales and widths of 16s), else the reference path: the dequantised
+    weight computed in float32, rounded to x's dtype once, one matmul.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None,
+                 scale_columns: int | None = None, tensor_cores: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.scale_columns = in_features, out_features, scale_columns
+        scale_shape = (out_features,) if scale_columns is None else (out_features, -(-in_features // scale_columns))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.tensor_cores = False
+        if tensor_cores and scale_columns is None:
+            from graphrt.kernels import fp8_matmul
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        """The FP8 form of ``linear``'s weight (quantised per output channel), its bias kept as is."""
-        weight = linear.weight.detach()
-        quantized = cls(linear.in_features, linear.out_features, linear.bias is not None, weight.dtype,
-                        weight.device)
-        codes, scale = quantize_per_channel(weight)
-        quantized.weight.copy_(codes)
-        quantized.weight_scale.copy_(scale)
-        if linear.bias is not None:
-            quantized.bias.data.copy_(linear.bias.detach())
-        return quantized
+            self.tensor_cores = fp8_matmul.supports_shape(out_features, in_features)
+            self._scaled_mm = fp8_matmul.scaled_mm
+
+    @property
+    def row_scales(self) -> torch.Tensor | None:
+        """The [out] float32 scales the GEMV kernels take, or None with block scales."""
+        return self.weight_scale if self.scale_columns is None else None
+
+    def store_rows(self, start: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Copy codes [r, in] and their scales (this layer's layout, ``scales_for_rows``) into rows
+        ``start .. start + r``."""
+        self.weight[start:start + codes.shape[0]].copy_(codes)
+        self.weight_scale[start:start + codes.shape[0]].copy_(scales)
+
+    def quantize_rows_from(self, start: int, weight: torch.Tensor) -> None:
+        """Quantise a 16-bit or float32 weight [r, in] into rows ``start .. start + r`` (on this layer's
+        device, in this layer's scale layout)."""
+        codes, scales = quantize_weight(weight.to(self.weight.device), self.scale_columns)
+        self.store_rows(start, codes, scales)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in ``dtype``: ``Q * scale`` in float32, rounded once."""
-        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+        scale = self.weight_scale
+        if self.scale_columns is None:
+            return (self.weight.float() * scale[:, None]).to(dtype)
+        per_column = scale.repeat_interleave(self.scale_columns, dim=1)[:, :self.in_features]
+        return (self.weight.float() * per_column).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
+        if self.tensor_cores and x.is_cuda:
+            return self._scaled_mm(x, self.weight, self.weight_scale, self.bias)
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel"
+        scales = "per row" if self.scale_columns is None else f"per row and {self.scale_columns} columns"
+        path = "fp8 tensor cores" if self.tensor_cores else "dequantise + matmul"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 scales {scales}, {path}"

@@ -72,15 +72,20 @@ class KernelPolicy:
     SiLU * up) and the fused samplers; False = the unfused torch ops and the sorting sampler, kept as
     the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
     dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
-    each layer on GEMV kernels (0 = never). quantization: None, or "fp8" for the layers' linear weights
-    in FP8 with per-channel scales (``graphrt.models.fp8``), run through the dequantising reference path;
-    the GEMV kernels read 16-bit weights, so they are off then.
+    each layer on GEMV kernels (0 = never). quantization: None, or "fp8": the layers' linear weights are
+    FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
+    ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
+    GEMV kernels read FP8 codes with row scales (W8A16); ``fp8_tensor_cores``: multi-token forwards
+    multiply on FP8 tensor cores with per-token activation scales (row scales, CUDA sm_89+); layers
+    neither serves dequantise and run one matmul.
     """
 
     fused: bool = False
     dependent_launch: bool = False
     gemv_max_tokens: int = 0
     quantization: str | None = None
+    weight_scale_columns: int | None = None
+    fp8_tensor_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.dependent_launch and not self.fused:
@@ -89,19 +94,36 @@ class KernelPolicy:
             raise ValueError("GEMV layers need fused_kernels=True")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization is not None and self.gemv_max_tokens:
-            raise ValueError("the GEMV layers read 16-bit weights; they cannot run quantized layers")
+        if self.quantization is None and (self.weight_scale_columns is not None or self.fp8_tensor_cores):
+            raise ValueError("weight scales and FP8 tensor cores need quantization='fp8'")
+        if self.weight_scale_columns is not None and (self.gemv_max_tokens or self.fp8_tensor_cores):
+            raise ValueError("the GEMV kernels and FP8 tensor cores take one weight scale a row, not block scales")
 
     @classmethod
     def choose(cls, config: ModelConfig, dtype: torch.dtype, fused: bool, dependent_launch: bool = False,
-               thresholds: GemvThresholds = GEMV_THRESHOLDS, quantization: str | None = None) -> KernelPolicy:
-        """The policy for a model of ``config`` in ``dtype``: GEMV layers when fused, unquantized and the
-        layer is within the measured bound for the launch mode."""
+               thresholds: GemvThresholds = GEMV_THRESHOLDS, quantization: str | None = None,
+               device: torch.device | None = None) -> KernelPolicy:
+        """The policy for a model of ``config`` in ``dtype`` on ``device``: GEMV layers when fused, the
+        weights 16-bit or FP8 with row scales, and the layer (in its weights' bytes) within the measured
+        bound for the launch mode; FP8 tensor cores for FP8 row scales on a CUDA GPU of compute
+        capability 8.9 or later. A checkpoint stored in FP8 (``config.fp8_checkpoint``) needs
+        ``quantization="fp8"``."""
+        stored = config.fp8_checkpoint
+        if stored is not None and quantization != "fp8":
+            raise ValueError(f"the checkpoint's weights are FP8 ({stored.method}); build the model with "
+                             "quantization='fp8'")
+        scale_columns = stored.scale_columns if stored is not None else None
+        row_scales = quantization is None or scale_columns is None
         bound = thresholds.max_dependent_layer_bytes if dependent_launch else thresholds.max_layer_bytes
-        gemv = (fused and quantization is None and config.num_hidden_layers > 0
-                and layer_weight_bytes(config, dtype) <= bound)
+        weight_dtype = dtype if quantization is None else torch.float8_e4m3fn
+        gemv = (fused and row_scales and config.num_hidden_layers > 0
+                and layer_weight_bytes(config, weight_dtype) <= bound)
+        tensor_cores = (quantization is not None and row_scales and device is not None and device.type == "cuda"
+                        and torch.cuda.get_device_capability(device) >= (8, 9))
         return cls(fused=fused, dependent_launch=dependent_launch,
-                   gemv_max_tokens=thresholds.max_tokens if gemv else 0, quantization=quantization)
+                   gemv_max_tokens=thresholds.max_tokens if gemv else 0, quantization=quantization,
+                   weight_scale_columns=scale_columns if quantization is not None else None,
+                   fp8_tensor_cores=tensor_cores)
 
     def runs_gemv(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens runs the GEMV layers."""

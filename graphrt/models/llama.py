@@ -24,9 +24,23 @@ from graphrt.base import nvtx
 from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
-from .fp8 import Fp8Linear
+from .fp8 import FP8_DTYPE, Fp8Linear, scales_for_rows
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype, device, policy: KernelPolicy) -> nn.Module:
+    """A decoder linear layer: ``nn.Linear`` in the model dtype, or with ``policy.quantization`` an
+    ``Fp8Linear`` in the policy's scale layout (filled by ``load_weights``)."""
+    if policy.quantization is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    return Fp8Linear(in_features, out_features, bias, dtype, device, scale_columns=policy.weight_scale_columns,
+                     tensor_cores=policy.fp8_tensor_cores)
+
+
+def _row_scales(linear: nn.Module) -> torch.Tensor | None:
+    """The per-row scales the GEMV kernels take with an FP8 weight; None for a 16-bit one."""
+    return linear.row_scales if isinstance(linear, Fp8Linear) else None
 
 
 class LlamaAttention(nn.Module):
@@ -42,10 +56,12 @@ class LlamaAttention(nn.Module):
         )
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # q, k and v in one GEMM: rows [0, q) are q, then k, then v.
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias, dtype=dtype, device=device
-        )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.qkv_proj = _linear(config.hidden_size, config.q_size + 2 * config.kv_size, config.attention_bias, dtype,
+                                device, policy)
+        self.o_proj = _linear(config.q_size, config.hidden_size, False, dtype, device, policy)
+        #: An fp8 KV cache stores ``k / k_scale`` and ``v / v_scale`` (float32 scales from the checkpoint,
+        #: else 1); a 16-bit cache ignores them.
+        self.k_scale = self.v_scale = 1.0
         self.rotary = rotary
         self.attn = backend.get_impl_cls()(
             num_heads=config.num_attention_heads,
@@ -67,35 +83,36 @@ class LlamaAttention(nn.Module):
         ``input_norm`` (GEMV layers, fused kernels): ``hidden`` is the residual stream instead, and one
         kernel normalises it, projects it to q, k and v, rotates them and stores k and v."""
         launch = self.policy.dependent_launch
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if input_norm is not None:
             qkv = self._rope_cache_write.project_rope_and_write_kv_cache(
                 hidden, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
                 kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
                 norm_weight=input_norm.weight, eps=input_norm.eps, dependent_launch=launch,
+                weight_scale=_row_scales(self.qkv_proj), **scales,
             )
         elif self.policy.fused:
             qkv = self.qkv_proj(hidden)
             # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
             self._rope_cache_write.rope_and_write_kv_cache(
                 qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
-                self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=launch,
+                self.num_heads, self.num_kv_heads, self.head_dim, dependent_launch=launch, **scales,
             )
         else:
             q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary(positions, q, k)
-            return self.attn.forward(q, k, v, kv_cache, attn_metadata)
+            return self.attn.forward(q, k, v, kv_cache, attn_metadata, **scales)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch)
+        return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch,
+                                 **scales)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device, policy: KernelPolicy):
         super().__init__()
         # gate and up in one GEMM: rows [0, I) are gate, [I, 2I) up.
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
-        )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, policy)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, device, policy)
         self._activation = silu_and_mul_torch
         if policy.fused:
             from graphrt.kernels.activation import silu_and_mul
@@ -158,14 +175,23 @@ class LlamaDecoderLayer(nn.Module):
         launch = {"dependent_launch": self.policy.dependent_launch}
         attended = attention(positions, residual, kv_cache, attn_metadata, input_norm=self.input_layernorm)
         kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
-                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual, **launch)
+                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
+                            weight_scale=_row_scales(attention.o_proj), **launch)
         activated = kernels.linear_gemv(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL, **launch,
+            eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
+            weight_scale=_row_scales(mlp.gate_up_proj), **launch,
         )
         kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
-                            **launch)
+                            weight_scale=_row_scales(mlp.down_proj), **launch)
         return None, residual
+
+
+#: Checkpoint tensor suffixes: scales of an FP8 weight; of the activations (unused: graphrt quantises
+#: activations per token as it runs, or not at all); of the KV cache.
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
+_ACTIVATION_SCALES = ("input_scale", "activation_scale")
+_KV_SCALES = ("k_scale", "v_scale", "kv_scale")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,9 +220,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         #: The kernels every forward runs, chosen here once (``KernelPolicy.choose``). With
-        #: ``quantization``, the layers' linear weights are quantized by ``quantize_weights`` once loaded.
+        #: ``quantization`` the layers' linear layers are ``Fp8Linear``s, which ``load_weights`` fills
+        #: from FP8 checkpoint tensors or quantizes 16-bit ones into.
         self.kernel_policy = KernelPolicy.choose(config, dtype, fused_kernels, dependent_launch,
-                                                 quantization=quantization)
+                                                 quantization=quantization, device=torch.device(device))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
@@ -258,23 +285,6 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------
 
-    def quantize_weights(self) -> None:
-        """Quantize every decoder layer's linear weights as the kernel policy says (``"fp8"``: FP8 E4M3,
-        a float32 scale per output channel; ``graphrt.models.fp8``), after ``load_weights``. The
-        embedding and the LM head stay in the model dtype. Once only."""
-        if self.kernel_policy.quantization is None:
-            raise RuntimeError("this model was built without quantization")
-        if getattr(self, "weights_quantized", False):
-            raise RuntimeError("this model's weights are quantized already")
-        self._check_weights()
-        for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            attention.qkv_proj = Fp8Linear.from_linear(attention.qkv_proj)
-            attention.o_proj = Fp8Linear.from_linear(attention.o_proj)
-            mlp.gate_up_proj = Fp8Linear.from_linear(mlp.gate_up_proj)
-            mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj)
-        self.weights_quantized = True
-
     def release_weights(self) -> None:
         """Free every parameter and buffer (they become meta tensors: no memory anywhere); the model
         refuses forwards from then on (a CPU product with a meta weight would return uninitialised
@@ -289,40 +299,147 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every parameter must be set.
 
-        Raises ModelLoadError naming any missing, unexpected, duplicated, mis-shaped or non-floating-point
-        tensor (integers or booleans would be converted to numbers no checkpoint meant).
+        FP8 layers (``Fp8Linear``) take FP8 E4M3 codes with their ``weight_scale`` or ``weight_scale_inv``
+        (one scale, one a row, or one a block: ``graphrt.models.fp8.scales_for_rows``), or a 16-bit
+        weight, quantized here per row. A 16-bit parameter given FP8 codes and a scale (an FP8 LM head)
+        gets them dequantized. KV-cache scales (``self_attn.k_scale`` / ``v_scale``, one ``kv_scale`` for
+        both, or ``k_proj`` / ``v_proj`` ``output_scale``) set the attention's; activation scales
+        (``input_scale``) are not used. Raises ModelLoadError naming any missing, unexpected, duplicated,
+        mis-shaped or non-floating-point tensor, an FP8 weight without its scale, or a zero point.
         """
-        if getattr(self, "weights_quantized", False):
-            raise RuntimeError("load weights before quantize_weights(), not after")
+        self._check_weights()
         params = dict(self.named_parameters())
+        fp8_layers = {name: module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
         loaded: dict[str, set[int]] = {}
         seen: set[str] = set()
+        # (target module or parameter, shard) -> {"weight" | "scale": (checkpoint name, tensor)}, paired
+        # once everything is read: a weight and its scale may come in either order, from any file.
+        fp8_parts: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = {}
         for name, tensor in weights:
             target, shard = self._target_of(name)
             if target is None:
                 continue
-            if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
             if name in seen:
                 raise ModelLoadError(f"checkpoint holds tensor {name!r} twice (in two weight files?)")
             seen.add(name)
+            module_name, _, leaf = target.rpartition(".")
+            if leaf in _ACTIVATION_SCALES:
+                continue
+            if leaf in _KV_SCALES or (leaf == "output_scale" and module_name.endswith("qkv_proj")):
+                self._set_kv_scale(module_name, leaf, shard, name, tensor)
+                continue
+            if leaf == "weight_zero_point":
+                raise ModelLoadError(f"checkpoint tensor {name!r}: zero points (asymmetric quantization) are not "
+                                     "supported")
+            if leaf in _WEIGHT_SCALES or (leaf == "weight" and (module_name in fp8_layers or tensor.dtype == FP8_DTYPE)):
+                key = module_name if module_name in fp8_layers else module_name + ".weight"
+                parts = fp8_parts.setdefault((key, shard), {})
+                part = "weight" if leaf == "weight" else "scale"
+                if part in parts:
+                    raise ModelLoadError(f"checkpoint holds two scales for one weight: {parts[part][0]!r} and {name!r}")
+                parts[part] = (name, tensor)
+                continue
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
             if not tensor.is_floating_point():
                 raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype}, not a floating-point weight")
-            param = params[target]
-            if shard is None:
-                dest = param.data
-            else:
-                dest = self._shard_view(target, param.data, shard)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                )
+            dest = self._param_rows(target, params[target].data, shard)
+            self._check_shape(name, tensor, dest.shape)
             dest.copy_(tensor)
             loaded.setdefault(target, set()).add(shard)
-        missing = [n for n in params if len(loaded.get(n, ())) < self._num_shards(n)]
+        for (key, shard), parts in fp8_parts.items():
+            if key in fp8_layers:
+                self._load_fp8_rows(fp8_layers[key], key, shard, parts)
+            elif key in params:
+                self._load_dequantized(params[key].data, key, shard, parts)
+            else:
+                raise ModelLoadError(f"checkpoint tensor {next(iter(parts.values()))[0]!r} has no counterpart in "
+                                     f"{self.config.architecture}")
+            loaded.setdefault(key if key in params else key + ".weight", set()).add(shard)
+        expected = list(params) + [name + ".weight" for name in fp8_layers]
+        missing = [n for n in expected if len(loaded.get(n, ())) < self._num_shards(n)]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+
+    @staticmethod
+    def _check_shape(name: str, tensor: torch.Tensor, shape) -> None:
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+
+    def _param_rows(self, target: str, data: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """The rows of parameter ``target`` that checkpoint shard ``shard`` fills (all for None)."""
+        if shard is None:
+            return data
+        start, rows = self._shard_rows(target, shard)
+        return data[start:start + rows]
+
+    def _fp8_weight_and_scale(self, key: str, parts: dict) -> tuple[str, torch.Tensor, tuple[str, torch.Tensor] | None]:
+        if "weight" not in parts:
+            raise ModelLoadError(f"checkpoint has the scale {parts['scale'][0]!r} but no weight for it")
+        name, weight = parts["weight"]
+        if weight.dtype != FP8_DTYPE and weight.dtype.itemsize == 1:
+            raise ModelLoadError(f"checkpoint tensor {name!r} is {weight.dtype}; graphrt reads FP8 weights as "
+                                 "float8_e4m3fn")
+        if not weight.is_floating_point():
+            raise ModelLoadError(f"checkpoint tensor {name!r} is {weight.dtype}, not a floating-point weight")
+        scale = parts.get("scale")
+        if weight.dtype == FP8_DTYPE and scale is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} is FP8 but has no weight_scale or weight_scale_inv")
+        if weight.dtype != FP8_DTYPE and scale is not None:
+            raise ModelLoadError(f"checkpoint tensor {scale[0]!r} scales {name!r}, which is {weight.dtype}, not FP8")
+        return name, weight, scale
+
+    def _load_fp8_rows(self, layer: Fp8Linear, key: str, shard: int | None, parts: dict) -> None:
+        """Fill an FP8 layer's rows of one checkpoint shard: codes and scales as stored, or a 16-bit
+        weight quantized per row."""
+        name, weight, scale = self._fp8_weight_and_scale(key, parts)
+        start, rows = (0, layer.out_features) if shard is None else self._shard_rows(key, shard)
+        self._check_shape(name, weight, (rows, layer.in_features))
+        if scale is None:
+            layer.quantize_rows_from(start, weight)
+            return
+        block = self.config.fp8_checkpoint.weight_block if self.config.fp8_checkpoint else None
+        scales = scales_for_rows(scale[1], rows, layer.in_features, layer.scale_columns, block, scale[0])
+        layer.store_rows(start, weight.to(layer.weight.device), scales.to(layer.weight.device))
+
+    def _load_dequantized(self, data: torch.Tensor, key: str, shard: int | None, parts: dict) -> None:
+        """A 16-bit parameter the checkpoint stores as FP8 codes with a scale: dequantized into it."""
+        name, weight, scale = self._fp8_weight_and_scale(key, parts)
+        dest = self._param_rows(key, data, shard)
+        self._check_shape(name, weight, dest.shape)
+        if scale is None:
+            dest.copy_(weight)
+            return
+        block = self.config.fp8_checkpoint.weight_block if self.config.fp8_checkpoint else None
+        columns = None if block is None else block[1]
+        scales = scales_for_rows(scale[1], *weight.shape, columns, block, scale[0])
+        per_column = scales[:, None] if columns is None else scales.repeat_interleave(columns, 1)[:, :weight.shape[1]]
+        dest.copy_(weight.float() * per_column)
+
+    def _set_kv_scale(self, module_name: str, leaf: str, shard: int | None, name: str, tensor: torch.Tensor) -> None:
+        """A KV-cache scale (one value, > 0) onto layer ``module_name``'s attention."""
+        attention_name = module_name.removesuffix(".qkv_proj")
+        try:
+            attention = self.get_submodule(attention_name)
+        except AttributeError:
+            attention = None
+        if not isinstance(attention, LlamaAttention):
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
+        if tensor.numel() != 1 or not tensor.is_floating_point():
+            raise ModelLoadError(f"checkpoint tensor {name!r}: a KV-cache scale is one float, got "
+                                 f"{tuple(tensor.shape)} {tensor.dtype}")
+        value = float(tensor.float().reshape(()))
+        if not value > 0 or value == float("inf"):
+            raise ModelLoadError(f"checkpoint tensor {name!r}: KV-cache scale must be finite and positive, got {value}")
+        if leaf == "output_scale":  # k_proj / v_proj output scales; q_proj's (shard 0) scales nothing cached
+            leaf = {1: "k_scale", 2: "v_scale"}.get(shard)
+            if leaf is None:
+                return
+        if leaf in ("k_scale", "kv_scale"):
+            attention.k_scale = value
+        if leaf in ("v_scale", "kv_scale"):
+            attention.v_scale = value
 
     def _target_of(self, name: str) -> tuple[str | None, int | None]:
         """Map an HF tensor name to (our parameter name, shard index or None); (None, None) = skip."""
@@ -345,11 +462,10 @@ class LlamaForCausalLM(nn.Module):
             return 3
         return 2 if "gate_up_proj" in name else 1
 
-    def _shard_view(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
-        """Rows of a fused parameter (weight [out, in] or bias [out]) that shard ``shard`` occupies."""
+    def _shard_rows(self, name: str, shard: int) -> tuple[int, int]:
+        """(first row, rows) that shard ``shard`` occupies in fused parameter or layer ``name``."""
         if "qkv_proj" in name:
             sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
         else:
             sizes = [self.config.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return data[start:start + sizes[shard]]
+        return sum(sizes[:shard]), sizes[shard]

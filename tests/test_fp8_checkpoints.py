@@ -1,0 +1,230 @@
+"""FP8 checkpoints, written here in each format graphrt reads, against HF transformers.
+
+Each test checkpoint is a random transformers Llama (random_checkpoints.py) whose decoder linears are
+replaced by FP8 E4M3 codes with scales in one format: transformers' fine-grained FP8 (128 x 128 blocks
+of ``weight_scale_inv``), per-tensor ``weight_scale`` (vLLM-style tools, with static ``input_scale``),
+compressed-tensors float8 per channel and per (odd-sized) block. The reference is transformers running
+the dequantised weights (codes x scales, float32); where transformers reads the FP8 checkpoint itself
+(fine-grained FP8, which it dequantises on a CPU), its logits too. float32 on CPU, where graphrt's FP8
+layers dequantise exactly: logits agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("transformers")
+
+from hf_reference import graphrt_greedy_with_logits, hf_step_logits  # noqa: E402
+from random_checkpoints import random_prompts, write_random_checkpoint  # noqa: E402
+
+from graphrt import LLM, ModelLoadError  # noqa: E402
+from graphrt.models.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear  # noqa: E402
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: format -> (quantization_config, weight block or None, scale tensor name, scale dtype)
+FORMATS = {
+    "fine-grained-fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                         (128, 128), "weight_scale_inv", torch.float32),
+    "per-tensor-fp8": ({"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+                       None, "weight_scale", torch.float32),
+    "compressed-tensors-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                        "dynamic": False}}}, "ignore": ["lm_head"]},
+                                   "channel", "weight_scale", torch.bfloat16),
+    "compressed-tensors-block": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                      "num_bits": 8, "type": "float", "strategy": "block", "symmetric": True,
+                                      "block_structure": [96, 80]}}}, "ignore": ["lm_head"]},
+                                 (96, 80), "weight_scale", torch.bfloat16),
+}
+
+
+def _quantize(weight: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale tensor as the format stores it (float32), dequantised weight float32)."""
+    w = weight.float()
+    rows, columns = w.shape
+    if layout is None:  # one scale for the tensor
+        scale = w.abs().max() / FP8_MAX
+        codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return codes, scale.reshape(()), codes.float() * scale
+    if layout == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX  # [rows, 1]
+        codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return codes, scale, codes.float() * scale
+    b0, b1 = layout
+    grid = torch.zeros(-(-rows // b0), -(-columns // b1))
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            grid[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / FP8_MAX
+    per_element = grid.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :columns]
+    codes = (w / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, grid, codes.float() * per_element
+
+
+def write_fp8_checkpoint(source, target, form: str, kv_scales: bool = False) -> dict[str, torch.Tensor]:
+    """Rewrite the 16-bit checkpoint in ``source`` as ``form`` into ``target``; returns the float32
+    state dict of the dequantised weights (what the checkpoint means)."""
+    config_json, layout, scale_name, scale_dtype = FORMATS[form]
+    tensors = load_file(source / "model.safetensors")
+    stored, meaning = {}, {}
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
+            codes, scale, dequantised = _quantize(tensor, layout)
+            stored[name], stored[f"{module}.{scale_name}"] = codes, scale.to(scale_dtype)
+            if scale_dtype != torch.float32:  # the checkpoint's scales are what the weights mean
+                rounded = scale.to(scale_dtype).float()
+                dequantised = _quantize_with(codes, rounded, layout)
+            if form == "per-tensor-fp8":
+                stored[f"{module}.input_scale"] = torch.tensor(0.02)  # static activations: graphrt ignores them
+            meaning[name] = dequantised
+        else:
+            stored[name] = meaning[name] = tensor.float()
+    if kv_scales:
+        for layer in range(2):
+            stored[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.5 + layer)
+            stored[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.25)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(stored, target / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = config_json
+    (target / "config.json").write_text(json.dumps(config))
+    return meaning
+
+
+def _quantize_with(codes: torch.Tensor, scale: torch.Tensor, layout) -> torch.Tensor:
+    rows, columns = codes.shape
+    if layout is None or layout == "channel":
+        return codes.float() * scale
+    b0, b1 = layout
+    return codes.float() * scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :columns]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bf16")
+    return path, write_random_checkpoint("llama3-rope-scaling", path)
+
+
+def _reference_model(hf_model, meaning):
+    """The HF model with the dequantised weights in place of its own."""
+    import copy
+
+    model = copy.deepcopy(hf_model)
+    model.load_state_dict(meaning, strict=False)
+    return model
+
+
+@pytest.mark.parametrize("form", list(FORMATS))
+def test_fp8_checkpoints_load_as_stored_and_match_hf_on_their_dequantised_weights(source, tmp_path, form):
+    path, hf_model = source
+    meaning = write_fp8_checkpoint(path, tmp_path / form, form)
+    reference = _reference_model(hf_model, meaning)
+    with LLM(str(tmp_path / form), dtype="float32", device="cpu", progress=False) as llm:
+        assert llm.engine.quantization == "fp8"  # FP8 without being asked
+        model = llm.engine.model
+        layer = model.layers[0].self_attn.qkv_proj
+        assert isinstance(layer, Fp8Linear) and layer.weight.dtype == FP8_DTYPE
+        # Block scales keep their blocks (one scale a row and block of columns); the others one a row.
+        blocks = FORMATS[form][1]
+        assert layer.scale_columns == (blocks[1] if isinstance(blocks, tuple) else None)
+        q = meaning["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(layer.dequantized_weight(torch.float32)[:q.shape[0]], q)
+        prompt = random_prompts(seed=3)[3]
+        tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    torch.testing.assert_close(ours, hf_step_logits(reference, prompt, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_loading_a_fine_grained_fp8_checkpoint_agrees_with_graphrt(source, tmp_path):
+    """transformers reads the fine-grained FP8 checkpoint itself (on a CPU it dequantises the blocks);
+    graphrt's logits on the same file agree with its own."""
+    import transformers
+
+    path, _ = source
+    write_fp8_checkpoint(path, tmp_path / "fp8", "fine-grained-fp8")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    assert any(p.dtype == torch.float32 for p in hf.parameters())
+    with LLM(str(tmp_path / "fp8"), dtype="float32", device="cpu", progress=False) as llm:
+        prompt = random_prompts(seed=5)[2]
+        tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    theirs = hf_step_logits(hf, prompt, tokens)
+    # transformers dequantises into bfloat16 weights: agreement within their rounding.
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_kv_cache_scales_come_from_the_checkpoint(source, tmp_path):
+    path, _ = source
+    write_fp8_checkpoint(path, tmp_path / "kv", "per-tensor-fp8", kv_scales=True)
+    with LLM(str(tmp_path / "kv"), dtype="float32", device="cpu", kv_cache_dtype="fp8", progress=False) as llm:
+        scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in llm.engine.model.layers]
+        assert scales == [(0.5, 0.25), (1.5, 0.25)]
+        assert all(cache.dtype == FP8_DTYPE for cache in llm.engine.runner.kv_caches)
+
+
+def _rewrite(path, target, change_config=None, change_tensors=None):
+    target.mkdir()
+    config = json.loads((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    if change_config:
+        change_config(config)
+    if change_tensors:
+        change_tensors(tensors)
+    (target / "config.json").write_text(json.dumps(config))
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+QPROJ = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("gptq", "quantization method 'gptq' is not supported"),
+    ("int8 weights", "only 8-bit float"),
+    ("asymmetric", "asymmetric weights"),
+    ("bad block", "weight_block_size must be two positive integers"),
+    ("missing scale", "is FP8 but has no weight_scale"),
+    ("scale shape", "scale of shape \\(3,\\) does not fit"),
+    ("negative scale", "scales must be finite and positive"),
+    ("zero point", "zero points"),
+    ("e5m2", "graphrt reads FP8 weights as float8_e4m3fn"),
+    ("scale without weight", "no weight for it"),
+    ("kv scale shape", "a KV-cache scale is one float"),
+])
+def test_bad_fp8_checkpoints_are_refused_naming_the_problem(source, tmp_path, case, match):
+    path, _ = source
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(path, fp8, "fine-grained-fp8")
+    ct = tmp_path / "ct"
+    write_fp8_checkpoint(path, ct, "compressed-tensors-channel")
+
+    def config_change(change):
+        return lambda config: change(config["quantization_config"])
+
+    def weights(name):
+        return lambda config: config["quantization_config"]["config_groups"]["group_0"]["weights"].update(name)
+
+    cases = {
+        "gptq": (fp8, config_change(lambda q: q.update(quant_method="gptq")), None),
+        "int8 weights": (ct, weights({"type": "int"}), None),
+        "asymmetric": (ct, weights({"symmetric": False}), None),
+        "bad block": (fp8, config_change(lambda q: q.update(weight_block_size=[128])), None),
+        "missing scale": (fp8, None, lambda t: t.pop(f"{QPROJ}.weight_scale_inv")),
+        "scale shape": (fp8, None, lambda t: t.update({f"{QPROJ}.weight_scale_inv": torch.ones(3)})),
+        "negative scale": (fp8, None, lambda t: t[f"{QPROJ}.weight_scale_inv"].neg_()),
+        "zero point": (ct, None, lambda t: t.update({f"{QPROJ}.weight_zero_point": torch.zeros(256, 1)})),
+        "e5m2": (fp8, None, lambda t: t.update({f"{QPROJ}.weight": t[f"{QPROJ}.weight"].to(torch.float8_e5m2)})),
+        "scale without weight": (fp8, None, lambda t: t.pop(f"{QPROJ}.weight")),
+        "kv scale shape": (fp8, None, lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)})),
+    }
+    base, change_config, change_tensors = cases[case]
+    broken = _rewrite(base, tmp_path / "broken", change_config, change_tensors)
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(str(broken), dtype="float32", device="cpu", progress=False)
