@@ -9,6 +9,7 @@
 # Stages:
 #   bench-1b, bench-smollm2, bench-8b  graphrt bench, fused with the unfused path beside (notes_fusion.md)
 #   bench-headline                     graphrt bench of the 1B at batch 1, 64, 256 (the README's figures)
+#   fp8-smoke, bench-fp8               FP8 weights / KV cache: a generate each, then bf16 against FP8 (notes_fp8.md)
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
@@ -40,6 +41,28 @@ for stage in $stages; do
       log "graphrt bench llama-3-8b, context 512"
       graphrt bench --model random:llama-3-8b --batch-sizes 1,8,64,256 --compare-unfused \
         --json "$OUT/bench_llama8b_$TAG.json" || status=1
+      ;;
+    fp8-smoke)
+      log "FP8 weights and cache on a small random model: one generate each (fails fast before the benches)"
+      for cache in auto fp8; do
+        graphrt generate --model random:smollm2-135m --quantization fp8 --kv-cache-dtype "$cache" \
+          --prompt-ids 1,2,3,4,5 --max-tokens 8 || status=1
+      done
+      ;;
+    bench-fp8)
+      # The same shapes in bf16 and FP8 weights, one call, side by side; then the FP8 cache beside the bf16
+      # one at the point (batch 64, context 4096), FP8 weights both times (notes_fp8.md).
+      for model in llama-3-8b llama-3.2-1b; do
+        for quantization in none fp8; do
+          log "graphrt bench $model, weights $quantization, contexts 512 and 4096"
+          graphrt bench --model "random:$model" --batch-sizes 1,8,64 --contexts 512,4096 --steps 50 \
+            $([ "$quantization" = fp8 ] && echo --quantization fp8) \
+            --json "$OUT/bench_fp8_${model}_${quantization}_$TAG.json" || status=1
+        done
+      done
+      log "graphrt bench llama-3-8b, FP8 weights and FP8 KV cache, batch 64, context 4096"
+      graphrt bench --model random:llama-3-8b --batch-sizes 64 --contexts 4096 --steps 50 --quantization fp8 \
+        --kv-cache-dtype fp8 --json "$OUT/bench_fp8_llama-3-8b_fp8_kvfp8_$TAG.json" || status=1
       ;;
     bench-headline)
       log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"

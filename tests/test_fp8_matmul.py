@@ -20,7 +20,7 @@ from triton_cpu import interpreted  # noqa: E402
 from graphrt.kernels import fp8_matmul  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 
-fp8_matmul = interpreted(fp8_matmul, "_quantize_rows_kernel")
+fp8_matmul = interpreted(fp8_matmul, "_w8a16_kernel")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -53,6 +53,43 @@ def test_quantize_rows_gives_a_zero_row_the_smallest_scale():
     assert codes.float().abs().sum() == 0
 
 
+def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
+    x = _rows(rows, in_features, dtype, seed=rows * in_features + out_features)
+    weight = torch.randn(out_features, in_features, device=DEVICE) * torch.logspace(-2, 1, out_features,
+                                                                                    device=DEVICE)[:, None]
+    codes, scale = quantize_per_channel(weight)
+    bias_vector = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
+    got = fp8_matmul.w8a16_matmul(x, codes, scale, bias_vector, tile=tile)
+    assert got.dtype == dtype and got.shape == (rows, out_features) and not got.isnan().any()
+    real_weight = codes.double() * scale.double()[:, None]
+    expected = x.double() @ real_weight.T + (0 if bias_vector is None else bias_vector.double())
+    terms = x.double().abs() @ real_weight.abs().T
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-11 if dtype == torch.float16 else 2**-20
+    # One rounding of the result to x's dtype, float32 sums of the exact products in another order.
+    assert ((got.double() - expected).abs() <= unit * expected.abs() + 2**-20 * terms + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,out_features,in_features,tile", [
+    (1, 48, 80, None), (3, 40, 300, None), (17, 32, 64, None),
+    (20, 50, 70, fp8_matmul.W8A16Tile(16, 16, 32, 4, 2)),  # several row and column tiles, partial K slices
+])
+def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bias, dtype):
+    """Codes widened exactly, float32 sums, scaled per column, one rounding: against the float64
+    product of the dequantised weights (no activation quantisation)."""
+    check_w8a16(rows, out_features, in_features, dtype, bias, tile)
+
+
+def test_w8a16_tiles_fill_the_machine_and_pad_rows_to_16():
+    assert fp8_matmul.w8a16_tile(8, 4096, 14336).block_m == 16
+    assert fp8_matmul.w8a16_tile(33, 4096, 14336).block_m == 64
+    for out_features in (576, 4096, 28672):
+        tile = fp8_matmul.w8a16_tile(8, out_features, 4096)
+        assert tile.block_n == 16 or -(-out_features // tile.block_n) >= 264
+        assert tile.block_n == 128 or -(-out_features // (2 * tile.block_n)) < 264
+
+
 def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="floating-point \\[M, K\\]"):
         fp8_matmul.quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
@@ -68,6 +105,8 @@ def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_matmul.scaled_mm(x, odd_codes, odd_scale)
     assert fp8_matmul.supports_shape(32, 48) and not fp8_matmul.supports_shape(30, 48)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        fp8_matmul.w8a16_matmul(x, codes, scale, torch.zeros(64)[::2])
 
 
 @pytest.mark.gpu
@@ -98,3 +137,16 @@ def test_scaled_mm_against_float64(rows, out_features, in_features, bias):
     # Against the unquantised activations: each input within half an E4M3 step (2**-4 relative).
     exact = x.double() @ real_weight.T + added
     assert ((got.double() - exact).abs() <= 2**-4 * terms + 2**-7 * exact.abs() + 1e-6).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [2, 5, 8, 16, 33, 64])
+@pytest.mark.parametrize("out_features,in_features", [
+    (3072, 2048), (2048, 8192), (16384, 2048), (2048, 2048),  # Llama-3.2-1B QKV, down, gate/up, O
+    (6144, 4096), (4096, 14336), (28672, 4096),  # Llama-3-8B QKV, down, gate/up
+    (960, 576), (576, 1536), (1000, 1100),  # SmolLM2 QKV, down; odd sizes
+])
+def test_w8a16_matmul_against_float64_gpu(rows, out_features, in_features, dtype):
+    check_w8a16(rows, out_features, in_features, dtype, bias=rows == 5)

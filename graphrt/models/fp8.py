@@ -8,11 +8,11 @@ rows). A 16-bit weight is quantised here per row (``quantize_weight``): ``scale 
 weight of normal range comes back within 2**-4 of itself (relative), and one under ``2**-6 * scale``
 within ``2**-10 * scale`` (absolute: the subnormal step's half).
 
-``Fp8Linear`` runs one of three paths, fixed when it is built: one-token decode layers call the GEMV
-kernels with its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward
-multiplies on FP8 tensor cores with per-token activation scales (``graphrt.kernels.fp8_matmul``:
-CUDA, row scales, widths of 16s), or dequantises and runs one matmul in the activations' dtype (the
-reference path: CPU, block scales, other widths).
+``Fp8Linear``'s paths are fixed when it is built: one-token decode layers call the GEMV kernels with
+its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward runs a few
+tokens on the W8A16 tensor-core kernel and more on FP8 tensor cores with per-token activation scales
+(``graphrt.kernels.fp8_matmul``: CUDA, row scales), or dequantises and runs one matmul in the
+activations' dtype (the reference path: CPU, block scales).
 """
 
 from __future__ import annotations
@@ -112,25 +112,27 @@ class Fp8Linear(nn.Module):
     """``y = x @ (Q * scale)^T + bias`` with Q [out, in] float8_e4m3fn and scale float32 [out] (or [out,
     ceil(in / scale_columns)]) as buffers; bias [out] in the model dtype or None.
 
-    ``tensor_cores``: multi-token forwards on FP8 tensor cores (``graphrt.kernels.fp8_matmul``; CUDA
-    sm_89+; taken only with row scales and widths of 16s), else the reference path: the dequantised
-    weight computed in float32, rounded to x's dtype once, one matmul.
+    On CUDA with row scales, forwards of up to ``w8a16_max_tokens`` tokens run the W8A16 kernel
+    (``graphrt.kernels.fp8_matmul.w8a16_matmul``) and, with ``tensor_cores``, larger ones FP8 tensor
+    cores with per-token activation scales (sm_89+, widths of 16s); anything else the reference path:
+    the dequantised weight computed in float32, rounded to x's dtype once, one matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None,
-                 scale_columns: int | None = None, tensor_cores: bool = False) -> None:
+                 scale_columns: int | None = None, tensor_cores: bool = False, w8a16_max_tokens: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scale_columns = in_features, out_features, scale_columns
         scale_shape = (out_features,) if scale_columns is None else (out_features, -(-in_features // scale_columns))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        self.tensor_cores = False
-        if tensor_cores and scale_columns is None:
+        self.tensor_cores, self.w8a16_max_tokens = False, 0
+        if (tensor_cores or w8a16_max_tokens) and scale_columns is None:
             from graphrt.kernels import fp8_matmul
 
-            self.tensor_cores = fp8_matmul.supports_shape(out_features, in_features)
-            self._scaled_mm = fp8_matmul.scaled_mm
+            self.tensor_cores = tensor_cores and fp8_matmul.supports_shape(out_features, in_features)
+            self.w8a16_max_tokens = w8a16_max_tokens
+            self._scaled_mm, self._w8a16 = fp8_matmul.scaled_mm, fp8_matmul.w8a16_matmul
 
     @property
     def row_scales(self) -> torch.Tensor | None:
@@ -159,11 +161,14 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
-        if self.tensor_cores and x.is_cuda:
+        if x.is_cuda and 0 < x.shape[0] <= self.w8a16_max_tokens:
+            return self._w8a16(x, self.weight, self.weight_scale, self.bias)
+        if x.is_cuda and self.tensor_cores:
             return self._scaled_mm(x, self.weight, self.weight_scale, self.bias)
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         scales = "per row" if self.scale_columns is None else f"per row and {self.scale_columns} columns"
-        path = "fp8 tensor cores" if self.tensor_cores else "dequantise + matmul"
+        path = (f"w8a16 up to {self.w8a16_max_tokens} tokens, " if self.w8a16_max_tokens else "") + (
+            "fp8 tensor cores" if self.tensor_cores else "dequantise + matmul")
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 scales {scales}, {path}"

@@ -35,6 +35,9 @@ class GemvThresholds:
     max_dependent_layer_bytes: int
     #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
     measured_on: str
+    #: FP8 weights: forwards of at most this many tokens (above the GEMV layers' one) run the W8A16
+    #: kernel, larger ones FP8 tensor cores with per-token activation scales.
+    w8a16_max_tokens: int = 64
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -75,9 +78,10 @@ class KernelPolicy:
     each layer on GEMV kernels (0 = never). quantization: None, or "fp8": the layers' linear weights are
     FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
-    GEMV kernels read FP8 codes with row scales (W8A16); ``fp8_tensor_cores``: multi-token forwards
-    multiply on FP8 tensor cores with per-token activation scales (row scales, CUDA sm_89+); layers
-    neither serves dequantise and run one matmul.
+    GEMV kernels read FP8 codes with row scales (W8A16); on CUDA forwards of up to ``w8a16_max_tokens``
+    tokens run the W8A16 tensor-core kernel and, with ``fp8_tensor_cores``, larger ones FP8 tensor
+    cores with per-token activation scales (row scales, sm_89+); layers none serves dequantise and run
+    one matmul.
     """
 
     fused: bool = False
@@ -86,6 +90,7 @@ class KernelPolicy:
     quantization: str | None = None
     weight_scale_columns: int | None = None
     fp8_tensor_cores: bool = False
+    w8a16_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dependent_launch and not self.fused:
@@ -96,7 +101,10 @@ class KernelPolicy:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantization is None and (self.weight_scale_columns is not None or self.fp8_tensor_cores):
             raise ValueError("weight scales and FP8 tensor cores need quantization='fp8'")
-        if self.weight_scale_columns is not None and (self.gemv_max_tokens or self.fp8_tensor_cores):
+        if self.quantization is None and self.w8a16_max_tokens:
+            raise ValueError("the W8A16 kernel needs quantization='fp8'")
+        if self.weight_scale_columns is not None and (self.gemv_max_tokens or self.fp8_tensor_cores
+                                                      or self.w8a16_max_tokens):
             raise ValueError("the GEMV kernels and FP8 tensor cores take one weight scale a row, not block scales")
 
     @classmethod
@@ -118,12 +126,12 @@ class KernelPolicy:
         weight_dtype = dtype if quantization is None else torch.float8_e4m3fn
         gemv = (fused and row_scales and config.num_hidden_layers > 0
                 and layer_weight_bytes(config, weight_dtype) <= bound)
-        tensor_cores = (quantization is not None and row_scales and device is not None and device.type == "cuda"
-                        and torch.cuda.get_device_capability(device) >= (8, 9))
+        fp8_on_cuda = quantization is not None and row_scales and device is not None and device.type == "cuda"
+        tensor_cores = fp8_on_cuda and torch.cuda.get_device_capability(device) >= (8, 9)
         return cls(fused=fused, dependent_launch=dependent_launch,
                    gemv_max_tokens=thresholds.max_tokens if gemv else 0, quantization=quantization,
                    weight_scale_columns=scale_columns if quantization is not None else None,
-                   fp8_tensor_cores=tensor_cores)
+                   fp8_tensor_cores=tensor_cores, w8a16_max_tokens=thresholds.w8a16_max_tokens if fp8_on_cuda else 0)
 
     def runs_gemv(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens runs the GEMV layers."""

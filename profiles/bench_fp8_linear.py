@@ -1,0 +1,142 @@
+"""FP8 linear layers on the GPU, one matrix at a time: which kernel and tile reads the weights fastest.
+
+For the Llama-3.2-1B and Llama-3-8B matrices (QKV, O, gate/up, down) at decode row counts: the bf16
+GEMM (cuBLAS), FP8 tensor cores with per-token activation scales (``fp8_matmul.scaled_mm``, its
+quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile and,
+with ``--sweep``, over tiles; at one row the FP8 GEMV kernel (``gemv.linear_gemv``) over tiles. Each
+time is a CUDA graph's replay over enough weight copies to exceed L2 (so every call reads HBM),
+divided by the copies: per call, as inside a decode step. Prints ms and TB/s of weight bytes; writes
+JSON (profiles/notes_fp8.md reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+
+from graphrt.kernels import fp8_matmul, gemv
+from graphrt.models.fp8 import quantize_per_channel
+
+MATRICES = {  # name -> (out_features, in_features, SiLU * up epilogue at one row)
+    "1b_qkv": (3072, 2048, False), "1b_o": (2048, 2048, False), "1b_gate_up": (16384, 2048, True),
+    "1b_down": (2048, 8192, False),
+    "8b_qkv": (6144, 4096, False), "8b_o": (4096, 4096, False), "8b_gate_up": (28672, 4096, True),
+    "8b_down": (4096, 14336, False),
+}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Bytes of weights the copies of one matrix must exceed (H200 L2: 60 MiB).
+ROTATE_BYTES = 256 << 20
+
+
+def time_per_call(make_calls, copies: int, replays: int = 10) -> float:
+    """ms of one call: a graph replaying ``make_calls()`` (one call per weight copy) timed with events."""
+    calls = make_calls()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and warm outside the capture
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / copies)
+    return statistics.median(samples)
+
+
+def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, sweep: bool) -> list[dict]:
+    rows_out = []
+    weight16 = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * in_features**-0.5
+    codes, scale = quantize_per_channel(weight16)
+    copies = max(2, -(-ROTATE_BYTES // codes.numel()))
+    fp8_copies = [(codes.clone(), scale.clone()) for _ in range(copies)]
+    bf16_copies = [weight16.clone() for _ in range(max(2, -(-ROTATE_BYTES // (2 * codes.numel()))))]
+
+    def record(kernel, rows, ms, weight_bytes, **extra):
+        rows_out.append(dict(matrix=name, kernel=kernel, rows=rows, ms=round(ms, 5),
+                             tb_per_s=round(weight_bytes / ms / 1e9, 3), **extra))
+        print(f"{name:>11} {kernel:>26} rows {rows:>4} {ms * 1e3:9.2f} us {weight_bytes / ms / 1e9:6.2f} TB/s "
+              f"{extra if extra else ''}", flush=True)
+
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        record("bf16 cublas", rows, time_per_call(
+            lambda: [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_copies], len(bf16_copies)),
+            2 * codes.numel())
+        record("fp8 scaled_mm", rows, time_per_call(
+            lambda: [lambda c=c, s=s: fp8_matmul.scaled_mm(x, c, s) for c, s in fp8_copies], copies), codes.numel())
+        tiles = [None]
+        if sweep and rows in (8, 64):
+            tiles += [fp8_matmul.W8A16Tile(max(16, rows), bn, bk, 4, stages)
+                      for bn, bk, stages in itertools.product((16, 32, 64, 128), (128, 256), (3, 4, 5))]
+        for tile in tiles:
+            chosen = tile or fp8_matmul.w8a16_tile(rows, out_features, in_features)
+            try:
+                ms = time_per_call(lambda: [lambda c=c, s=s: fp8_matmul.w8a16_matmul(x, c, s, tile=tile)
+                                            for c, s in fp8_copies], copies)
+            except Exception as error:  # noqa: BLE001 - a tile the compiler refuses (shared memory)
+                print(f"{name} w8a16 {chosen}: {type(error).__name__}")
+                continue
+            record("w8a16 default" if tile is None else "w8a16 sweep", rows, ms, codes.numel(),
+                   tile=chosen.__dict__)
+    # One row: the FP8 GEMV kernel over tiles (its SiLU * up epilogue for gate/up, as the decode layer runs it).
+    x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16)
+    epilogue = gemv.EPILOGUE_SILU_MUL if silu else gemv.EPILOGUE_STORE
+    configs = [None] + ([gemv.TileConfig(bn, bk, warps) for bn, bk, warps in itertools.product(
+        (2, 4, 8, 16), (1024, 2048, 4096), (4, 8))] if sweep else [])
+    for config in configs:
+        chosen = config or gemv.default_config(in_features, out_features, silu, 1)
+        try:
+            ms = time_per_call(lambda: [lambda c=c, s=s: gemv.linear_gemv(x, c, epilogue=epilogue, weight_scale=s,
+                                                                         config=config)
+                                        for c, s in fp8_copies], copies)
+        except Exception as error:  # noqa: BLE001
+            print(f"{name} gemv {chosen}: {type(error).__name__}")
+            continue
+        record("fp8 gemv default" if config is None else "fp8 gemv sweep", 1, ms, codes.numel(),
+               tile=chosen.__dict__)
+    return rows_out
+
+
+def best_by(rows: list[dict]) -> dict:
+    """Per (matrix, rows): the fastest kernel and, per kernel family, its fastest tile."""
+    summary = {}
+    for row in rows:
+        key = f"{row['matrix']} rows {row['rows']}"
+        family = row["kernel"].split(" ")[0] + " " + row["kernel"].split(" ")[1]
+        entry = summary.setdefault(key, {})
+        if family not in entry or row["ms"] < entry[family]["ms"]:
+            entry[family] = {k: row[k] for k in ("kernel", "ms", "tb_per_s", *(("tile",) if "tile" in row else ()))}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write every measurement and the per-point best here")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the W8A16 and GEMV tiles")
+    parser.add_argument("--matrices", nargs="*", default=list(MATRICES), choices=list(MATRICES))
+    args = parser.parse_args()
+    rows = []
+    for name in args.matrices:
+        rows += bench_matrix(name, *MATRICES[name], sweep=args.sweep)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, best=best_by(rows))
+    for key, entry in result["best"].items():
+        print(key, {family: (e["ms"], e.get("tile")) for family, e in entry.items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
