@@ -258,8 +258,8 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
     assert gemv.default_config(2048, 16384, True, 2) == gemv.TileConfig(16, 256, 4)
     assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up
     assert gemv.default_config(100, 20) == gemv.TileConfig(8, 128, 8)
-    assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(8, 2048, 8)  # FP8: general, 2048-deep
-    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(8, 1024, 4)
+    assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(4, 1024, 4)  # FP8: the general FP8 tile
+    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(4, 1024, 4)
 
 
 @pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),

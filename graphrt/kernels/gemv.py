@@ -267,10 +267,11 @@ def general_config(in_features: int, silu_mul: bool = False, element_size: int =
     the best tile on some and far from it on others (profiles/notes_fusion.md), hence
     ``MEASURED_TILES``; the loads are not software-pipelined, so each slice must carry many bytes, and
     few outputs a program keep enough programs in flight for the smallest matrices. One-byte (FP8)
-    weights without SiLU * up take slices of up to 2048, the bytes of a 16-bit slice of 1024 (the
-    float32 products of a paired tile would not fit in registers at that depth)."""
-    longest = 2048 if element_size == 1 and not silu_mul else 1024
-    block_k = min(longest, max(16, triton.next_power_of_2(in_features)))
+    weights take 4 outputs a program and 4 warps, which measured fastest on every matrix of the 1B
+    shape (profiles/notes_fp8.md): each program's widening of the codes then overlaps more loads."""
+    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
+    if element_size == 1:
+        return TileConfig(block_n=4, block_k=block_k, num_warps=4)
     return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
 
 

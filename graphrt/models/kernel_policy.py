@@ -36,8 +36,9 @@ class GemvThresholds:
     #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
     measured_on: str
     #: FP8 weights: forwards of at most this many tokens (above the GEMV layers' one) run the W8A16
-    #: kernel, larger ones FP8 tensor cores with per-token activation scales.
-    w8a16_max_tokens: int = 64
+    #: kernel, larger ones FP8 tensor cores with per-token activation scales (their quantisation launch
+    #: and cuBLAS's FP8 GEMM cost more below it; measured on the 1B shape's matrices).
+    w8a16_max_tokens: int = 16
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
