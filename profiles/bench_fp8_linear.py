@@ -3,7 +3,8 @@
 For the Llama-3.2-1B and Llama-3-8B matrices (QKV, O, gate/up, down) at decode row counts: the bf16
 GEMM (cuBLAS), FP8 tensor cores with per-token activation scales (``fp8_matmul.scaled_mm``, its
 quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile and,
-with ``--sweep``, over tiles; at one row the FP8 GEMV kernel (``gemv.linear_gemv``) over tiles. Each
+with ``--sweep w8a16``, over tiles; at one row the FP8 GEMV kernel (``gemv.linear_gemv``), with
+``--sweep gemv`` over tiles. Each
 time is a CUDA graph's replay over enough weight copies to exceed L2 (so every call reads HBM),
 divided by the copies: per call, as inside a decode step. Prints ms and TB/s of weight bytes; writes
 JSON (profiles/notes_fp8.md reads it).
@@ -55,7 +56,8 @@ def time_per_call(make_calls, copies: int, replays: int = 10) -> float:
     return statistics.median(samples)
 
 
-def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, sweep: bool) -> list[dict]:
+def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, sweep: set[str],
+                 row_counts=ROWS) -> list[dict]:
     rows_out = []
     weight16 = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * in_features**-0.5
     codes, scale = quantize_per_channel(weight16)
@@ -69,7 +71,7 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
         print(f"{name:>11} {kernel:>26} rows {rows:>4} {ms * 1e3:9.2f} us {weight_bytes / ms / 1e9:6.2f} TB/s "
               f"{extra if extra else ''}", flush=True)
 
-    for rows in ROWS:
+    for rows in row_counts:
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         record("bf16 cublas", rows, time_per_call(
             lambda: [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_copies], len(bf16_copies)),
@@ -77,7 +79,7 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
         record("fp8 scaled_mm", rows, time_per_call(
             lambda: [lambda c=c, s=s: fp8_matmul.scaled_mm(x, c, s) for c, s in fp8_copies], copies), codes.numel())
         tiles = [None]
-        if sweep and rows in (8, 64):
+        if "w8a16" in sweep and rows in (8, 64):
             tiles += [fp8_matmul.W8A16Tile(max(16, rows), bn, bk, 4, stages)
                       for bn, bk, stages in itertools.product((16, 32, 64, 128), (128, 256), (3, 4, 5))]
         for tile in tiles:
@@ -94,7 +96,7 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
     x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16)
     epilogue = gemv.EPILOGUE_SILU_MUL if silu else gemv.EPILOGUE_STORE
     configs = [None] + ([gemv.TileConfig(bn, bk, warps) for bn, bk, warps in itertools.product(
-        (2, 4, 8, 16), (1024, 2048, 4096), (4, 8))] if sweep else [])
+        (2, 4, 8, 16), (1024, 2048, 4096), (4, 8))] if "gemv" in sweep else [])
     for config in configs:
         chosen = config or gemv.default_config(in_features, out_features, silu, 1)
         try:
@@ -124,12 +126,14 @@ def best_by(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement and the per-point best here")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the W8A16 and GEMV tiles")
+    parser.add_argument("--sweep", nargs="*", default=[], choices=["w8a16", "gemv"],
+                        help="also sweep these kernels' tiles (W8A16 at 8 and 64 rows, the GEMV at one)")
     parser.add_argument("--matrices", nargs="*", default=list(MATRICES), choices=list(MATRICES))
+    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS), help="row counts (default %(default)s)")
     args = parser.parse_args()
     rows = []
     for name in args.matrices:
-        rows += bench_matrix(name, *MATRICES[name], sweep=args.sweep)
+        rows += bench_matrix(name, *MATRICES[name], sweep=set(args.sweep), row_counts=args.rows)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, best=best_by(rows))
     for key, entry in result["best"].items():
         print(key, {family: (e["ms"], e.get("tile")) for family, e in entry.items()})
