@@ -218,6 +218,9 @@ class DecodeGraphRunner:
                                self.check_graphs, self.eager_reason)
             return self.stats
         start = time.perf_counter()
+        # Capture empties the allocator's cache (torch.cuda.graph does), so empty it first: freed blocks
+        # (e.g. weights drawn and then quantized) would otherwise make the pool look negative.
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         self._stage(DecodeBatch([], [], [], [], [], [], []), self.max_batch_size)  # every row inert while capturing
         keys = [GraphKey(size, mode) for size in reversed(self.capture_sizes) for mode in self.captured_modes]

@@ -73,7 +73,8 @@ def test_an_fp8_checkpoint_loaded_by_graphrt_and_by_transformers_on_the_gpu(tmp_
     activations); graphrt runs the same file (block scales: the dequantising path) in bfloat16. Their
     logits agree to FP8 activation rounding, and the greedy tokens where the margins allow."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers' FP8 loading needs it
+    pytest.importorskip("accelerate")  # transformers' FP8 loading needs it, and its FP8 kernels the kernels package
+    pytest.importorskip("kernels", reason="transformers runs FP8 checkpoints on a GPU through the kernels package")
     from fp8_checkpoint_files import write_fp8_checkpoint
     from hf_reference import graphrt_greedy_with_logits, hf_step_logits
 

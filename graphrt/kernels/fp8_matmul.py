@@ -165,7 +165,7 @@ class W8A16Tile:
     num_stages: int
 
 
-#: Programs to aim for: enough to fill every SM of an H200 (132) twice over.
+#: Programs to aim for: two for each SM of a 132-SM GPU, so every SM holds work.
 _TARGET_PROGRAMS = 264
 
 
