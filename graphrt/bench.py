@@ -303,6 +303,10 @@ def write_plot(result: dict, path: str) -> None:
 
 
 def main(args) -> int:
+    storage = [f"{args.quantization} weights"] if args.quantization else []
+    storage += [f"{args.kv_cache_dtype} KV cache"] if args.kv_cache_dtype != "auto" else []
+    if storage:
+        print(f"{args.model}: {', '.join(storage)}")
     print(HEADER)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,

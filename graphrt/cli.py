@@ -79,9 +79,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                         help="fp8: the decoder layers' linear weights in FP8 E4M3, a 16-bit checkpoint quantized at "
                         "load with a scale per output channel (an FP8 checkpoint is FP8 without it); CUDA runs "
-                        "them on W8A16 matrix-vector kernels at batch 1 and FP8 tensor cores above")
+                        "them on W8A16 kernels up to 16 tokens (matrix-vector at one) and FP8 tensor cores above; "
+                        "block-scaled checkpoints and the CPU dequantise every weight each forward (on CPU several "
+                        "times slower than 16 bits: for checking numerics)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                        help="KV-cache storage: auto = the model dtype, fp8 = E4M3 (half the bytes; per-layer "
+                        help="KV-cache storage: auto = the model dtype, fp8 = E4M3 (one byte a value; per-layer "
                         "scales from the checkpoint, else 1.0)")
     parser.add_argument("--unfused", dest="fused_kernels", action="store_const", const=False, default=None,
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "

@@ -104,10 +104,12 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.closed = False
         logger.info(
-            "graphrt engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, %s kernels%s",
-            self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            self.max_model_len, self.attention_backend.name, "fused" if self.fused_kernels else "unfused",
-            " (dependent launches)" if self.dependent_launch else "",
+            "graphrt engine: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, "
+            "%s kernels%s",
+            self.model_config.architecture, self.device, self.dtype,
+            f", {self.quantization} weights" if self.quantization else "", num_blocks, config.block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, self.attention_backend.name,
+            "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
         )
 
     def _resolve_dependent_launch(self) -> bool:

@@ -573,6 +573,10 @@ def format_breakdown(r: dict) -> str:
     mode = "CUDA graph" if r["mode"] == "cuda_graph" else f"eager ({r['eager_reason']})"
     mode += ", fused kernels" if r.get("fused_kernels") else ", unfused kernels"
     mode += " (dependent launches)" if r.get("dependent_launch") else ""
+    if r.get("quantization"):
+        mode += f", {r['quantization']} weights"
+    if r.get("kv_cache_dtype") and r["kv_cache_dtype"] != r["dtype"]:
+        mode += f", {r['kv_cache_dtype']} KV cache"
     lines = [
         f"graphrt profile: {r['model']}, batch {r['batch_size']}, context {r['context']}, {r['dtype']} on "
         f"{r['device']}, {mode}",

@@ -117,6 +117,8 @@ QPROJ = "model.layers.0.self_attn.q_proj"
     ("e5m2", "graphrt reads FP8 weights as float8_e4m3fn"),
     ("scale without weight", "no weight for it"),
     ("kv scale shape", "a KV-cache scale is one float"),
+    ("integer scale", "scales must be floating-point"),
+    ("no quantization_config", "declares no quantization_config"),
 ])
 def test_bad_fp8_checkpoints_are_refused_naming_the_problem(source, tmp_path, case, match):
     path, _ = source
@@ -143,6 +145,8 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(source, tmp_path, ca
         "e5m2": (fp8, None, lambda t: t.update({f"{QPROJ}.weight": t[f"{QPROJ}.weight"].to(torch.float8_e5m2)})),
         "scale without weight": (fp8, None, lambda t: t.pop(f"{QPROJ}.weight")),
         "kv scale shape": (fp8, None, lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)})),
+        "integer scale": (fp8, None, lambda t: t.update({f"{QPROJ}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})),
+        "no quantization_config": (fp8, lambda config: config.pop("quantization_config"), None),
     }
     base, change_config, change_tensors = cases[case]
     broken = _rewrite(base, tmp_path / "broken", change_config, change_tensors)

@@ -85,6 +85,8 @@ def scales_for_rows(scale: torch.Tensor, rows: int, columns: int, scale_columns:
     rows). Every such form is exact in the layer's layout, except block scales in a layer of row scales
     (ModelLoadError: the model was built for another format). ``name`` labels errors.
     """
+    if not scale.is_floating_point():
+        raise ModelLoadError(f"{name}: scales must be floating-point, got {scale.dtype}")
     scale = scale.float()
     groups = 1 if scale_columns is None else -(-columns // scale_columns)
     if scale.numel() == 1:
@@ -98,7 +100,8 @@ def scales_for_rows(scale: torch.Tensor, rows: int, columns: int, scale_columns:
                                  f"{scale_columns or 'a whole row of'} columns")
         per_row = scale.repeat_interleave(weight_block[0], dim=0)[:rows]
     else:
-        expected = "[], [1], [rows] or [rows, 1]" if weight_block is None else (
+        expected = ("[], [1], [rows] or [rows, 1] (block scales need config.json's quantization_config to say "
+                    "the block size)") if weight_block is None else (
             f"one scale, one a row, or [{-(-rows // weight_block[0])}, {-(-columns // weight_block[1])}] "
             f"for blocks of {weight_block}")
         raise ModelLoadError(f"{name}: scale of shape {tuple(scale.shape)} does not fit a [{rows}, {columns}] "

@@ -328,6 +328,10 @@ class LlamaForCausalLM(nn.Module):
             if leaf in _KV_SCALES or (leaf == "output_scale" and module_name.endswith("qkv_proj")):
                 self._set_kv_scale(module_name, leaf, shard, name, tensor)
                 continue
+            if self.kernel_policy.quantization is None and (leaf in _WEIGHT_SCALES or tensor.dtype == FP8_DTYPE):
+                raise ModelLoadError(f"checkpoint tensor {name!r} is an FP8 weight or scale, but the model was built "
+                                     "unquantized: config.json declares no quantization_config (or pass "
+                                     "quantization='fp8')")
             if leaf == "weight_zero_point":
                 raise ModelLoadError(f"checkpoint tensor {name!r}: zero points (asymmetric quantization) are not "
                                      "supported")
