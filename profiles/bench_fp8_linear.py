@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
+from graphrt.bench import median_replay_ms
 from graphrt.kernels import fp8_matmul, gemv
 from graphrt.models.fp8 import quantize_per_channel
 
@@ -45,15 +45,7 @@ def time_per_call(make_calls, copies: int, replays: int = 10) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / copies)
-    return statistics.median(samples)
+    return median_replay_ms(graph, replays) / copies
 
 
 def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, sweep: set[str],
