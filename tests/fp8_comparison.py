@@ -9,6 +9,8 @@ import torch
 from chat_questions import CHAT_QUESTIONS
 from hf_reference import graphrt_greedy_with_logits
 
+from graphrt import SamplingParams
+
 #: The eight questions the FP8 figures are measured on (all but the translation and the planets).
 QUESTIONS = CHAT_QUESTIONS[:7] + CHAT_QUESTIONS[8:9]
 NEW_TOKENS = 48
@@ -17,13 +19,37 @@ FP8_CONFIGS = {"fp8 weights": dict(quantization="fp8"),
                "fp8 weights + fp8 KV cache": dict(quantization="fp8", kv_cache_dtype="fp8")}
 
 
-def greedy_runs(llm) -> list[tuple[list[int], torch.Tensor]]:
-    """Each question's greedy tokens (one prompt at a time) and the float32 logits [NEW_TOKENS, V]
-    they were chosen from (eager forwards: the logits are read as the model computes them)."""
-    runs = []
-    for question in QUESTIONS:
-        tokens, logits = graphrt_greedy_with_logits(llm, llm.chat_prompt_ids(question), NEW_TOKENS)
-        runs.append((tokens, logits.float().cpu()))
+def greedy_runs(llm, batched: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+    """Each question's greedy tokens and the float32 logits [NEW_TOKENS, V] they were chosen from
+    (eager forwards: the logits are read as the model computes them): one prompt at a time, or with
+    ``batched`` all in one batch (fewer, larger steps: what the CPU can afford). A batched run checks
+    that each recorded row's argmax is its request's token, so rows cannot be mixed up unseen."""
+    prompts = [llm.chat_prompt_ids(question) for question in QUESTIONS]
+    if not batched:
+        runs = []
+        for prompt in prompts:
+            tokens, logits = graphrt_greedy_with_logits(llm, prompt, NEW_TOKENS)
+            runs.append((tokens, logits.float().cpu()))
+        return runs
+    model = llm.engine.runner.model
+    recorded: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        recorded.append(logits.float().cpu())
+        return logits
+
+    model.compute_logits = recording
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        del model.compute_logits  # back to the class's method
+    assert [r.shape[0] for r in recorded] == [len(prompts)] * NEW_TOKENS, "expected one prefill and lockstep decodes"
+    steps = torch.stack(recorded, dim=1)  # [prompts, NEW_TOKENS, V]
+    runs = [(out.token_ids, logits) for out, logits in zip(outputs, steps)]
+    for tokens, logits in runs:
+        assert logits.argmax(dim=-1).tolist() == tokens, "a recorded logits row is not its request's"
     return runs
 
 

@@ -155,7 +155,7 @@ def test_the_default_model_in_fp8_against_itself_unquantised(capsys):
         with LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, **options) as llm:
             [answer] = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=32))
             answers[name] = answer.text.strip()
-            runs[name] = greedy_runs(llm)
+            runs[name] = greedy_runs(llm, batched=True)
     assert set(answers.values()) == {"The capital of France is Paris."}, answers
     for name in FP8_CONFIGS:
         figures = compare(runs["float32"], runs[name])
