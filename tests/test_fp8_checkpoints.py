@@ -119,6 +119,7 @@ QPROJ = "model.layers.0.self_attn.q_proj"
     ("kv scale shape", "a KV-cache scale is one float"),
     ("integer scale", "scales must be floating-point"),
     ("no quantization_config", "declares no quantization_config"),
+    ("scale for a 16-bit weight", "not FP8"),
 ])
 def test_bad_fp8_checkpoints_are_refused_naming_the_problem(source, tmp_path, case, match):
     path, _ = source
@@ -147,6 +148,8 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(source, tmp_path, ca
         "kv scale shape": (fp8, None, lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)})),
         "integer scale": (fp8, None, lambda t: t.update({f"{QPROJ}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})),
         "no quantization_config": (fp8, lambda config: config.pop("quantization_config"), None),
+        "scale for a 16-bit weight": (fp8, None, lambda t: t.update(
+            {f"{QPROJ}.weight": t[f"{QPROJ}.weight"].to(torch.bfloat16)})),
     }
     base, change_config, change_tensors = cases[case]
     broken = _rewrite(base, tmp_path / "broken", change_config, change_tensors)

@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
 
         FP8 layers (``Fp8Linear``) take FP8 E4M3 codes with their ``weight_scale`` or ``weight_scale_inv``
         (one scale, one a row, or one a block: ``graphrt.models.fp8.scales_for_rows``), or a 16-bit
-        weight, quantized here per row. A 16-bit parameter given FP8 codes and a scale (an FP8 LM head)
+        weight, quantized here in the layer's scale layout. A 16-bit parameter given FP8 codes and a scale (an FP8 LM head)
         gets them dequantized. KV-cache scales (``self_attn.k_scale`` / ``v_scale``, one ``kv_scale`` for
         both, or ``k_proj`` / ``v_proj`` ``output_scale``) set the attention's; activation scales
         (``input_scale``) are not used. Raises ModelLoadError naming any missing, unexpected, duplicated,
@@ -312,9 +312,22 @@ class LlamaForCausalLM(nn.Module):
         fp8_layers = {name: module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
         loaded: dict[str, set[int]] = {}
         seen: set[str] = set()
-        # (target module or parameter, shard) -> {"weight" | "scale": (checkpoint name, tensor)}, paired
-        # once everything is read: a weight and its scale may come in either order, from any file.
+        # (target module or parameter, shard) -> {"weight" | "scale": (checkpoint name, tensor)}: a weight
+        # and its scale may come in either order, from any file, so each waits here until its pair is
+        # complete and is installed then (a 16-bit weight at once), holding no more than it must.
         fp8_parts: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = {}
+        installed: set[tuple[str, int | None]] = set()
+
+        def install(key: str, shard: int | None, parts: dict) -> None:
+            if key in fp8_layers:
+                self._load_fp8_rows(fp8_layers[key], key, shard, parts)
+            elif key in params:
+                self._load_dequantized(params[key].data, key, shard, parts)
+            else:
+                raise ModelLoadError(f"checkpoint tensor {next(iter(parts.values()))[0]!r} has no counterpart in "
+                                     f"{self.config.architecture}")
+            loaded.setdefault(key if key in params else key + ".weight", set()).add(shard)
+            installed.add((key, shard))
         for name, tensor in weights:
             target, shard = self._target_of(name)
             if target is None:
@@ -336,12 +349,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name!r}: zero points (asymmetric quantization) are not "
                                      "supported")
             if leaf in _WEIGHT_SCALES or (leaf == "weight" and (module_name in fp8_layers or tensor.dtype == FP8_DTYPE)):
-                key = module_name if module_name in fp8_layers else module_name + ".weight"
-                parts = fp8_parts.setdefault((key, shard), {})
+                key = (module_name if module_name in fp8_layers else module_name + ".weight", shard)
+                if key in installed:
+                    raise ModelLoadError(f"checkpoint tensor {name!r}: its weight was loaded already (a second scale, "
+                                         "or a scale for a weight that is not FP8)")
+                parts = fp8_parts.setdefault(key, {})
                 part = "weight" if leaf == "weight" else "scale"
                 if part in parts:
                     raise ModelLoadError(f"checkpoint holds two scales for one weight: {parts[part][0]!r} and {name!r}")
                 parts[part] = (name, tensor)
+                weight = parts.get("weight")
+                if weight is not None and (weight[1].dtype != FP8_DTYPE or "scale" in parts):
+                    install(*key, fp8_parts.pop(key))  # complete: a 16-bit weight takes no scale
                 continue
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no counterpart in {self.config.architecture}")
@@ -351,15 +370,8 @@ class LlamaForCausalLM(nn.Module):
             self._check_shape(name, tensor, dest.shape)
             dest.copy_(tensor)
             loaded.setdefault(target, set()).add(shard)
-        for (key, shard), parts in fp8_parts.items():
-            if key in fp8_layers:
-                self._load_fp8_rows(fp8_layers[key], key, shard, parts)
-            elif key in params:
-                self._load_dequantized(params[key].data, key, shard, parts)
-            else:
-                raise ModelLoadError(f"checkpoint tensor {next(iter(parts.values()))[0]!r} has no counterpart in "
-                                     f"{self.config.architecture}")
-            loaded.setdefault(key if key in params else key + ".weight", set()).add(shard)
+        for (key, shard), parts in fp8_parts.items():  # what never completed: the errors name what is missing
+            install(key, shard, parts)
         expected = list(params) + [name + ".weight" for name in fp8_layers]
         missing = [n for n in expected if len(loaded.get(n, ())) < self._num_shards(n)]
         if missing:
