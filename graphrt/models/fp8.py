@@ -65,9 +65,24 @@ def quantize_weight(weight: torch.Tensor, scale_columns: int | None = None) -> t
     padded = nn.functional.pad(w, (0, groups * group - columns)).view(rows, groups, group)
     amax = padded.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [out, groups]
-    per_column = scale.repeat_interleave(group, dim=1)[:, :columns]
-    codes = (w / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, (scale[:, 0].contiguous() if scale_columns is None else scale)
+    if scale_columns is None:
+        scale = scale[:, 0].contiguous()
+    codes = (w / per_column_scales(scale, columns, scale_columns)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale
+
+
+def per_column_scales(scale: torch.Tensor, columns: int, scale_columns: int | None) -> torch.Tensor:
+    """Scales in a layer's layout (float32 [rows], or [rows, groups] of ``scale_columns`` columns each)
+    as a tensor that broadcasts against its [rows, columns] weight: [rows, 1] or [rows, columns]."""
+    if scale_columns is None:
+        return scale[:, None]
+    return scale.repeat_interleave(scale_columns, dim=1)[:, :columns]
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, scale_columns: int | None) -> torch.Tensor:
+    """codes [rows, columns] float8_e4m3fn with their scales (``per_column_scales``' layout) -> the
+    weight they mean, float32."""
+    return codes.float() * per_column_scales(scale, codes.shape[1], scale_columns)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +171,7 @@ class Fp8Linear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in ``dtype``: ``Q * scale`` in float32, rounded once."""
-        scale = self.weight_scale
-        if self.scale_columns is None:
-            return (self.weight.float() * scale[:, None]).to(dtype)
-        per_column = scale.repeat_interleave(self.scale_columns, dim=1)[:, :self.in_features]
-        return (self.weight.float() * per_column).to(dtype)
+        return dequantize(self.weight, self.weight_scale, self.scale_columns).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""

@@ -24,7 +24,7 @@ from graphrt.base import nvtx
 from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
-from .fp8 import FP8_DTYPE, Fp8Linear, scales_for_rows
+from .fp8 import FP8_DTYPE, Fp8Linear, dequantize, scales_for_rows
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
@@ -429,9 +429,7 @@ class LlamaForCausalLM(nn.Module):
             return
         block = self.config.fp8_checkpoint.weight_block if self.config.fp8_checkpoint else None
         columns = None if block is None else block[1]
-        scales = scales_for_rows(scale[1], *weight.shape, columns, block, scale[0])
-        per_column = scales[:, None] if columns is None else scales.repeat_interleave(columns, 1)[:, :weight.shape[1]]
-        dest.copy_(weight.float() * per_column)
+        dest.copy_(dequantize(weight, scales_for_rows(scale[1], *weight.shape, columns, block, scale[0]), columns))
 
     def _set_kv_scale(self, module_name: str, leaf: str, shard: int | None, name: str, tensor: torch.Tensor) -> None:
         """A KV-cache scale (one value, > 0) onto layer ``module_name``'s attention."""
