@@ -145,6 +145,7 @@ def _qkv_rope_cache_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # first-half channels a program computes (with their second halves); divides D / 2
     BLOCK_K: tl.constexpr,
+    THREAD_SUM: tl.constexpr,  # gemv.TileConfig.thread_sum
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (gemv.norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
@@ -170,8 +171,8 @@ def _qkv_rope_cache_kernel(
         first_bias = tl.load(bias_ptr + first_cols).to(tl.float32)
         second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
     first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
-                                         x_row, scale_ptr, K, eps, NORM, True, False, W_SCALED, BLOCK_K, NORM_BLOCK,
-                                         PDL, dtype)
+                                         x_row, scale_ptr, K, eps, NORM, True, False, W_SCALED, BLOCK_K, THREAD_SUM,
+                                         NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         first += first_bias
         second += second_bias
@@ -250,7 +251,8 @@ def project_rope_and_write_kv_cache(
         float(eps), in_features, 1.0 / float(k_scale), 1.0 / float(v_scale),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, W_SCALED=weight_scale is not None, WRITE_CACHE=write,
-        QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
+        QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out
@@ -264,7 +266,8 @@ def qkv_tile(in_features: int, width: int, head_size: int, element_size: int) ->
     block_n = max(1, base.block_n // 2)
     while (head_size // 2) % block_n:
         block_n //= 2
-    return gemv.TileConfig(block_n=block_n, block_k=base.block_k, num_warps=base.num_warps)
+    return gemv.TileConfig(block_n=block_n, block_k=base.block_k, num_warps=base.num_warps,
+                           thread_sum=base.thread_sum)
 
 
 def _check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens: int, num_kv_heads: int,

@@ -2,9 +2,9 @@
 
 For the Llama-3.2-1B and Llama-3-8B matrices (QKV, O, gate/up, down) at decode row counts: the bf16
 GEMM (cuBLAS), FP8 tensor cores with per-token activation scales (``fp8_matmul.scaled_mm``, its
-quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile and,
-with ``--sweep w8a16``, over tiles; at one row the FP8 GEMV kernel (``gemv.linear_gemv``), with
-``--sweep gemv`` over tiles. Each
+quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile, with ``--sweep rows`` both
+Triton paths over tiles (``fp8_matmul.RowsTile``, at 8 and 64 rows); at one row the FP8 GEMV kernel
+(``gemv.linear_gemv``), with ``--sweep gemv`` over tiles (``thread_sum`` the per-thread width). Each
 time is a CUDA graph's replay over enough weight copies to exceed L2 (so every call reads HBM),
 divided by the copies: per call, as inside a decode step. Prints ms and TB/s of weight bytes; writes
 JSON (profiles/notes_fp8.md reads it).
@@ -68,27 +68,27 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
         record("bf16 cublas", rows, time_per_call(
             lambda: [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_copies], len(bf16_copies)),
             2 * codes.numel())
-        record("fp8 scaled_mm", rows, time_per_call(
-            lambda: [lambda c=c, s=s: fp8_matmul.scaled_mm(x, c, s) for c, s in fp8_copies], copies), codes.numel())
         tiles = [None]
-        if "w8a16" in sweep and rows in (8, 64):
-            tiles += [fp8_matmul.W8A16Tile(max(16, rows), bn, bk, 4, stages)
-                      for bn, bk, stages in itertools.product((16, 32, 64, 128), (128, 256), (3, 4, 5))]
-        for tile in tiles:
-            chosen = tile or fp8_matmul.w8a16_tile(rows, out_features, in_features)
-            try:
-                ms = time_per_call(lambda: [lambda c=c, s=s: fp8_matmul.w8a16_matmul(x, c, s, tile=tile)
-                                            for c, s in fp8_copies], copies)
-            except Exception as error:  # noqa: BLE001 - a tile the compiler refuses (shared memory)
-                print(f"{name} w8a16 {chosen}: {type(error).__name__}")
-                continue
-            record("w8a16 default" if tile is None else "w8a16 sweep", rows, ms, codes.numel(),
-                   tile=chosen.__dict__)
+        if "rows" in sweep and rows in (8, 64):
+            tiles += [fp8_matmul.RowsTile(min(64, max(16, rows)), bn, bk, 4, stages)
+                      for bn, bk, stages in ((64, 256, 4), (64, 128, 6), (128, 128, 4), (128, 256, 3))]
+        for kernel, function in (("scaled_mm", fp8_matmul.scaled_mm), ("w8a16", fp8_matmul.w8a16_matmul)):
+            for tile in tiles:
+                chosen = tile or fp8_matmul.rows_tile(rows, out_features, in_features)
+                try:
+                    ms = time_per_call(lambda: [lambda c=c, s=s: function(x, c, s, tile=tile)
+                                                for c, s in fp8_copies], copies)
+                except Exception as error:  # noqa: BLE001 - a tile the compiler refuses (shared memory)
+                    print(f"{name} {kernel} {chosen}: {type(error).__name__}")
+                    continue
+                triton_kernel = kernel == "w8a16" or rows <= fp8_matmul.TRITON_MAX_ROWS
+                record(f"{kernel} {'default' if tile is None else 'sweep'}", rows, ms, codes.numel(),
+                       **({"tile": chosen.__dict__} if triton_kernel else {}))
     # One row: the FP8 GEMV kernel over tiles (its SiLU * up epilogue for gate/up, as the decode layer runs it).
     x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16)
     epilogue = gemv.EPILOGUE_SILU_MUL if silu else gemv.EPILOGUE_STORE
-    configs = [None] + ([gemv.TileConfig(bn, bk, warps) for bn, bk, warps in itertools.product(
-        (2, 4, 8, 16), (1024, 2048, 4096), (4, 8))] if "gemv" in sweep else [])
+    configs = [None] + ([gemv.TileConfig(bn, bk, warps, min(16, bk // (32 * warps))) for bn, bk, warps in
+                         itertools.product((4, 8, 16), (1024, 2048), (4, 8))] if "gemv" in sweep else [])
     for config in configs:
         chosen = config or gemv.default_config(in_features, out_features, silu, 1)
         try:
@@ -108,7 +108,7 @@ def best_by(rows: list[dict]) -> dict:
     summary = {}
     for row in rows:
         key = f"{row['matrix']} rows {row['rows']}"
-        family = row["kernel"].split(" ")[0] + " " + row["kernel"].split(" ")[1]
+        family = row["kernel"].removesuffix(" default").removesuffix(" sweep")
         entry = summary.setdefault(key, {})
         if family not in entry or row["ms"] < entry[family]["ms"]:
             entry[family] = {k: row[k] for k in ("kernel", "ms", "tb_per_s", *(("tile",) if "tile" in row else ()))}
@@ -118,8 +118,8 @@ def best_by(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement and the per-point best here")
-    parser.add_argument("--sweep", nargs="*", default=[], choices=["w8a16", "gemv"],
-                        help="also sweep these kernels' tiles (W8A16 at 8 and 64 rows, the GEMV at one)")
+    parser.add_argument("--sweep", nargs="*", default=[], choices=["rows", "gemv"],
+                        help="also sweep these kernels' tiles (the Triton rows kernel at 8 and 64 rows, the GEMV at one)")
     parser.add_argument("--matrices", nargs="*", default=list(MATRICES), choices=list(MATRICES))
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS), help="row counts (default %(default)s)")
     args = parser.parse_args()

@@ -10,6 +10,7 @@
 #   bench-1b, bench-smollm2, bench-8b  graphrt bench, fused with the unfused path beside (notes_fusion.md)
 #   bench-headline                     graphrt bench of the 1B at batch 1, 64, 256 (the README's figures)
 #   fp8-smoke, bench-fp8               FP8 weights / KV cache: a generate each, then bf16 against FP8 (notes_fp8.md)
+#   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
@@ -63,6 +64,11 @@ for stage in $stages; do
       log "graphrt bench llama-3-8b, FP8 weights and FP8 KV cache, batch 64, context 4096"
       graphrt bench --model random:llama-3-8b --batch-sizes 64 --contexts 4096 --steps 50 --quantization fp8 \
         --kv-cache-dtype fp8 --json "$OUT/bench_fp8_llama-3-8b_fp8_kvfp8_$TAG.json" || status=1
+      ;;
+    fp8-linear)
+      log "bench_fp8_linear.py: 1B and 8B matrices, 1-64 rows"
+      python profiles/bench_fp8_linear.py --rows 1 2 4 8 16 64 --json "$OUT/fp8_linear_$TAG.json" \
+        | tee "$OUT/fp8_linear_$TAG.txt" || status=1
       ;;
     bench-headline)
       log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"

@@ -52,7 +52,8 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "silu": gemv.EPILOGUE_SILU_MUL,
                 "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
-                      W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=gemv.norm_block(in_features),
+                      W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
                       PDL=pdl)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,

@@ -63,7 +63,7 @@ def _cases(pdl: bool) -> list[dict]:
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, W_SCALED=False,
                           WRITE_CACHE=True,
-                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, NORM_BLOCK=2048, PDL=pdl))
+                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, THREAD_SUM=1, NORM_BLOCK=2048, PDL=pdl))
     return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
 
 

@@ -20,7 +20,7 @@ from triton_cpu import interpreted  # noqa: E402
 from graphrt.kernels import fp8_matmul  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 
-fp8_matmul = interpreted(fp8_matmul, "_w8a16_kernel")
+fp8_matmul = interpreted(fp8_matmul, "_weight_rows_kernel")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -74,7 +74,8 @@ def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows,out_features,in_features,tile", [
     (1, 48, 80, None), (3, 40, 300, None), (17, 32, 64, None),
-    (20, 50, 70, fp8_matmul.W8A16Tile(16, 16, 32, 4, 2)),  # several row and column tiles, partial K slices
+    (20, 50, 70, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # several row and column tiles, partial K slices
+    (20, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # tiles dividing both widths: unmasked weight loads
 ])
 def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bias, dtype):
     """Codes widened exactly, float32 sums, scaled per column, one rounding: against the float64
@@ -82,13 +83,49 @@ def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bia
     check_w8a16(rows, out_features, in_features, dtype, bias, tile)
 
 
-def test_w8a16_tiles_fill_the_machine_and_pad_rows_to_16():
-    assert fp8_matmul.w8a16_tile(8, 4096, 14336).block_m == 16
-    assert fp8_matmul.w8a16_tile(33, 4096, 14336).block_m == 64
-    for out_features in (576, 4096, 28672):
-        tile = fp8_matmul.w8a16_tile(8, out_features, 4096)
-        assert tile.block_n == 16 or -(-out_features // tile.block_n) >= 264
-        assert tile.block_n == 128 or -(-out_features // (2 * tile.block_n)) < 264
+def test_rows_tiles_pad_rows_to_16_and_take_at_most_64():
+    assert fp8_matmul.rows_tile(1, 4096, 14336) == fp8_matmul.RowsTile(16, 64, 256, 4, 4)
+    assert fp8_matmul.rows_tile(33, 4096, 14336).block_m == 64
+    assert fp8_matmul.rows_tile(300, 4096, 14336).block_m == 64
+    assert fp8_matmul.rows_tile(8, 48, 80).block_k == 128  # K slices no longer than the row (at least 32)
+
+
+def check_scaled_mm(rows, out_features, in_features, bias, tile=None, accumulation=2**-20):
+    """scaled_mm against float64 products of the same codes (the activations quantised by
+    quantize_rows_torch) and against the unquantised activations (half an E4M3 step per input).
+    ``accumulation``: the sums' error allowed relative to the terms (float32's by default)."""
+    x = _rows(rows, in_features, torch.bfloat16, seed=rows + in_features)
+    weight = torch.randn(out_features, in_features, device=DEVICE) * torch.logspace(-2, 1, out_features,
+                                                                                    device=DEVICE)[:, None]
+    codes, scale = quantize_per_channel(weight)
+    bias_vector = torch.randn(out_features, device=DEVICE, dtype=torch.bfloat16) if bias else None
+    got = fp8_matmul.scaled_mm(x, codes, scale, bias_vector, tile=tile)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features) and not got.isnan().any()
+    real_weight = codes.double() * scale.double()[:, None]
+    added = 0 if bias_vector is None else bias_vector.double()
+    x_codes, x_scales = fp8_matmul.quantize_rows_torch(x)
+    quantised = (x_codes.double() * x_scales.double()[:, None]) @ real_weight.T + added
+    # The same codes' products and one bf16 rounding (twice with a bias through cuBLAS).
+    terms = (x_codes.double().abs() * x_scales.double()[:, None]) @ real_weight.abs().T
+    rounding = 2**-7 if bias else 2**-8
+    allowed = rounding * (quantised.abs() + added.abs() if bias else quantised.abs()) + accumulation * terms
+    excess = ((got.double() - quantised).abs() - allowed) / terms.clamp(min=1e-30)
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} off; worst error "
+                               f"{(got.double() - quantised).flatten()[worst].item():.3g} at terms "
+                               f"{terms.flatten()[worst].item():.3g}, value {quantised.flatten()[worst].item():.3g}")
+    # Against the unquantised activations: each input within half an E4M3 step (2**-4 relative).
+    exact = x.double() @ real_weight.T + added
+    assert ((got.double() - exact).abs() <= 2**-4 * terms + 2**-7 * exact.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,out_features,in_features,tile", [
+    (1, 48, 80, None), (5, 32, 304, None), (20, 48, 64, fp8_matmul.RowsTile(16, 16, 32, 4, 2))])
+def test_scaled_mm_rows_kernel_against_float64(rows, out_features, in_features, tile, bias):
+    """Up to TRITON_MAX_ROWS rows scaled_mm is the quantisation launch and the Triton kernel (on the CPU
+    in the interpreter, float32 products): odd row counts, partial K slices, several tiles."""
+    check_scaled_mm(rows, out_features, in_features, bias, tile)
 
 
 def test_bad_operands_are_refused():
@@ -108,6 +145,8 @@ def test_bad_operands_are_refused():
     assert fp8_matmul.supports_shape(32, 48) and not fp8_matmul.supports_shape(30, 48)
     with pytest.raises(ValueError, match="bias must be a contiguous"):
         fp8_matmul.w8a16_matmul(x, codes, scale, torch.zeros(64)[::2])
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        fp8_matmul.scaled_mm(x, codes, scale, torch.zeros(16))
 
 
 @pytest.mark.gpu
@@ -120,31 +159,11 @@ def test_bad_operands_are_refused():
     (960, 576), (576, 1536), (48, 80),  # SmolLM2 QKV, down; small
 ])
 def test_scaled_mm_against_float64(rows, out_features, in_features, bias):
-    x = _rows(rows, in_features, torch.bfloat16, seed=rows + in_features)
-    weight = torch.randn(out_features, in_features, device=DEVICE) * torch.logspace(-2, 1, out_features,
-                                                                                    device=DEVICE)[:, None]
-    codes, scale = quantize_per_channel(weight)
-    bias_vector = torch.randn(out_features, device=DEVICE, dtype=torch.bfloat16) if bias else None
-    got = fp8_matmul.scaled_mm(x, codes, scale, bias_vector)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features) and not got.isnan().any()
-    real_weight = codes.double() * scale.double()[:, None]
-    added = 0 if bias_vector is None else bias_vector.double()
-    x_codes, x_scales = fp8_matmul.quantize_rows_torch(x)
-    quantised = (x_codes.double() * x_scales.double()[:, None]) @ real_weight.T + added
-    # The same codes' products and one bf16 rounding (twice with a bias); the sums' own error is
-    # relative to the terms: Hopper's FP8 tensor cores accumulate in fewer bits than float32 between
-    # promotions (about 14 bits), hence 2**-13 of them rather than float32's 2**-20.
-    terms = (x_codes.double().abs() * x_scales.double()[:, None]) @ real_weight.abs().T
-    rounding = 2**-7 if bias else 2**-8
-    allowed = rounding * (quantised.abs() + added.abs() if bias else quantised.abs()) + 2**-13 * terms
-    excess = ((got.double() - quantised).abs() - allowed) / terms.clamp(min=1e-30)
-    worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} off; worst error "
-                               f"{(got.double() - quantised).flatten()[worst].item():.3g} at terms "
-                               f"{terms.flatten()[worst].item():.3g}, value {quantised.flatten()[worst].item():.3g}")
-    # Against the unquantised activations: each input within half an E4M3 step (2**-4 relative).
-    exact = x.double() @ real_weight.T + added
-    assert ((got.double() - exact).abs() <= 2**-4 * terms + 2**-7 * exact.abs() + 1e-6).all()
+    """Up to 64 rows the Triton kernel, whose FP8 accumulator is promoted to float32 every K slice;
+    above, cuBLAS: Hopper's FP8 tensor cores accumulate in fewer bits than float32 between promotions
+    (about 14), hence 2**-13 of the terms rather than float32's 2**-20."""
+    check_scaled_mm(rows, out_features, in_features, bias,
+                    accumulation=2**-20 if rows <= fp8_matmul.TRITON_MAX_ROWS else 2**-13)
 
 
 @pytest.mark.gpu
@@ -158,3 +177,17 @@ def test_scaled_mm_against_float64(rows, out_features, in_features, bias):
 ])
 def test_w8a16_matmul_against_float64_gpu(rows, out_features, in_features, dtype):
     check_w8a16(rows, out_features, in_features, dtype, bias=rows == 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_w8a16_clamps_activations_to_the_float16_range():
+    """The tensor cores take the activations in float16: bfloat16 values beyond 65504 are clamped."""
+    codes, scale = quantize_per_channel(torch.randn(64, 128, device=DEVICE))
+    x = torch.randn(3, 128, device=DEVICE).to(torch.bfloat16)
+    x[1, 5], x[2, 7] = 1e6, -3e5
+    got = fp8_matmul.w8a16_matmul(x, codes, scale)
+    clamped = x.double().clamp(-65504, 65504)
+    expected = clamped @ (codes.double() * scale.double()[:, None]).T
+    terms = clamped.abs() @ (codes.double() * scale.double()[:, None]).abs().T
+    assert ((got.double() - expected).abs() <= 2**-8 * expected.abs() + 2**-20 * terms).all()

@@ -123,24 +123,33 @@ def test_linear_gemv_matches_reference_in_float16(variant, rows, out_features, i
     check(variant, rows, out_features, in_features, torch.float16)
 
 
-@pytest.mark.parametrize("config", [gemv.TileConfig(8, 32, 4), gemv.TileConfig(4, 64, 8)], ids=str)
+@pytest.mark.parametrize("config", [gemv.TileConfig(8, 32, 4), gemv.TileConfig(4, 64, 8),
+                                    gemv.TileConfig(4, 64, 4, thread_sum=8)], ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 20, 100), (2, 40, 96)])
 def test_linear_gemv_slices_match_reference(variant, rows, out_features, in_features, config):
-    """Short K slices: several a row, the last one partial; output tiles past the last row."""
+    """Short K slices: several a row, the last one partial; output tiles past the last row; runs of
+    columns summed per thread before they accumulate."""
     check(variant, rows, out_features, in_features, torch.float32, seed=7 * rows + in_features, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows,out_features,in_features,config", [
-    (1, 48, 80, None), (1, 20, 1100, None), (3, 40, 96, None), (2, 40, 100, gemv.TileConfig(8, 32, 4))])
+    (1, 48, 80, None), (1, 20, 1100, None), (3, 40, 96, None), (2, 40, 100, gemv.TileConfig(8, 32, 4)),
+    (1, 24, 200, gemv.TileConfig(4, 64, 4, thread_sum=16))])
 def test_fp8_weights_match_a_float64_product_of_the_dequantised_weights(variant, rows, out_features, in_features,
                                                                        config, dtype):
     """W8A16: FP8 codes widened in registers, each product scaled by its row's scale, against the
     float64 product of codes x scales; odd widths, several K slices with a partial last one."""
     check(variant, rows, out_features, in_features, dtype, seed=3 * rows + in_features, config=config,
           fp8_weight=True)
+
+
+@pytest.mark.parametrize("thread_sum", [0, 3, 128])
+def test_tile_thread_sum_must_be_a_power_of_two_dividing_the_slice(thread_sum):
+    with pytest.raises(ValueError, match="thread_sum must be a power of two dividing block_k 64"):
+        gemv.TileConfig(4, 64, 4, thread_sum=thread_sum)
 
 
 def test_fp8_weights_need_their_scales():
@@ -258,8 +267,10 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
     assert gemv.default_config(2048, 16384, True, 2) == gemv.TileConfig(16, 256, 4)
     assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up
     assert gemv.default_config(100, 20) == gemv.TileConfig(8, 128, 8)
-    assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(4, 1024, 4)  # FP8: the general FP8 tile
-    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(4, 1024, 4)
+    assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(4, 2048, 4, 16)  # FP8: the general FP8 tile
+    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(4, 2048, 4, 16)
+    assert gemv.default_config(576, 960, False, 1) == gemv.TileConfig(4, 1024, 4, 8)
+    assert gemv.default_config(48, 64, False, 1) == gemv.TileConfig(4, 64, 4, 1)
 
 
 @pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),

@@ -226,7 +226,8 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
                        **{n: "i32" for n in ("stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K")}},
             constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=True,
                             HAS_BIAS=bias, W_SCALED=fp8_weight, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
-                            BLOCK_K=tile.block_k, NORM_BLOCK=gemv.norm_block(hidden), PDL=True),
+                            BLOCK_K=tile.block_k, THREAD_SUM=tile.thread_sum, NORM_BLOCK=gemv.norm_block(hidden),
+                            PDL=True),
             num_warps=tile.num_warps, num_stages=3, launch_pdl=True,
             aligned_ints=["stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K"]))
     for case, result in zip(cases, compile_for_sm90(cases)):

@@ -49,11 +49,19 @@ _MAX_GRID_ROWS = 65535
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch's tiling: outputs and reduction depth per program, warps."""
+    """One launch's tiling: outputs and reduction depth per program, warps, and ``thread_sum``: how many
+    adjacent K elements of a slice each thread adds up in registers before they join its accumulator
+    (a power of two dividing ``block_k``; 1: one float32 accumulator per element of the slice)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    thread_sum: int = 1
+
+    def __post_init__(self):
+        if self.thread_sum < 1 or self.thread_sum & (self.thread_sum - 1) or self.block_k % self.thread_sum:
+            raise ValueError(f"thread_sum must be a power of two dividing block_k {self.block_k}, "
+                             f"got {self.thread_sum}")
 
 
 @triton.jit
@@ -65,6 +73,16 @@ def _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM: tl.constexpr, dtype: tl.
     if NORM:
         x = round_to(norm_w * round_to(x * inv_rms, dtype).to(tl.float32), dtype).to(tl.float32)
     return x
+
+
+@triton.jit
+def _slice_sums(products, BLOCK_K: tl.constexpr, THREAD_SUM: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] float32 products -> [BLOCK_N, BLOCK_K // THREAD_SUM]: each run of THREAD_SUM
+    adjacent columns summed (the products themselves with THREAD_SUM 1)."""
+    if THREAD_SUM == 1:
+        return products
+    else:
+        return tl.sum(tl.reshape(products, [products.shape[0], BLOCK_K // THREAD_SUM, THREAD_SUM]), axis=2)
 
 
 @triton.jit
@@ -85,6 +103,7 @@ def row_products(
     ADDEND: tl.constexpr,
     W_SCALED: tl.constexpr,  # W holds FP8 codes: the products are multiplied by their rows' scales
     BLOCK_K: tl.constexpr,
+    THREAD_SUM: tl.constexpr,  # adjacent products a thread sums before accumulating (TileConfig.thread_sum)
     NORM_BLOCK: tl.constexpr,  # with NORM: the row's elements one load takes (norm_block: a power of two)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     dtype: tl.constexpr,
@@ -144,12 +163,14 @@ def row_products(
             sum_squares += x * x
         inv_rms = tl.math.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]  # [1, 1]
 
-    # Products accumulate elementwise and are reduced once after the loop: a reduction per slice
-    # would synchronise the warps every slice. The first slice's weights were loaded above.
+    # Products accumulate per column (or per run of THREAD_SUM columns, which a thread holds together:
+    # the accumulator then takes 1 / THREAD_SUM of the registers, which one-byte weights need to keep
+    # many bytes a slice in flight) and are reduced across the threads once after the loop: a
+    # reduction per slice would synchronise the warps every slice. The first slice was loaded above.
     x = _row_slice(x_row, norm_w, k_offsets, K, inv_rms, NORM, dtype)
-    acc = w_first.to(tl.float32) * x
+    acc = _slice_sums(w_first.to(tl.float32) * x, BLOCK_K, THREAD_SUM)
     if PAIRED:  # acc_paired exists only then
-        acc_paired = paired_first.to(tl.float32) * x
+        acc_paired = _slice_sums(paired_first.to(tl.float32) * x, BLOCK_K, THREAD_SUM)
     for k in range(BLOCK_K, K, BLOCK_K):
         k_cols = k + k_offsets
         if NORM:
@@ -157,10 +178,10 @@ def row_products(
         x = _row_slice(x_row, norm_w, k_cols, K, inv_rms, NORM, dtype)
         w_mask = n_mask[:, None] & (k_cols < K)
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
-        acc += w * x
+        acc += _slice_sums(w * x, BLOCK_K, THREAD_SUM)
         if PAIRED:
             paired_w = tl.load(paired_ptrs + k, mask=w_mask, other=0.0).to(tl.float32)
-            acc_paired += paired_w * x
+            acc_paired += _slice_sums(paired_w * x, BLOCK_K, THREAD_SUM)
 
     products = tl.sum(acc, axis=1)
     if W_SCALED:
@@ -203,6 +224,7 @@ def _gemv_kernel(
     W_SCALED: tl.constexpr,  # w holds FP8 codes, real values code * scale[row]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    THREAD_SUM: tl.constexpr,  # TileConfig.thread_sum
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
@@ -217,7 +239,7 @@ def _gemv_kernel(
     # row_products reads out's values (the residual stream) along with the row.
     result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs,
                                       scale_ptr, K, eps, NORM, EPILOGUE == 2, EPILOGUE == 1, W_SCALED, BLOCK_K,
-                                      NORM_BLOCK, PDL, dtype)
+                                      THREAD_SUM, NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         result += bias
     store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
@@ -266,12 +288,16 @@ def general_config(in_features: int, silu_mul: bool = False, element_size: int =
     with SiLU * up, whose programs carry gate and up tiles). On the measured matrices it came close to
     the best tile on some and far from it on others (profiles/notes_fusion.md), hence
     ``MEASURED_TILES``; the loads are not software-pipelined, so each slice must carry many bytes, and
-    few outputs a program keep enough programs in flight for the smallest matrices. One-byte (FP8)
-    weights take 4 outputs a program and 4 warps, which measured fastest on every matrix of the 1B
-    shape (profiles/notes_fp8.md): each program's widening of the codes then overlaps more loads."""
-    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
+    few outputs a program keep enough programs in flight for the smallest matrices.
+
+    One-byte (FP8) weights: 4 outputs a program, K slices of up to 2048 codes, 4 warps, each thread
+    summing its 16 adjacent products before accumulating (``thread_sum``): a 16-byte load a row and
+    thread, with a 16th of the accumulator registers. Of 16 tiles timed on each Llama-3.2-1B and
+    Llama-3-8B matrix it was the fastest or within 3.2 % on all eight (profiles/notes_fp8.md)."""
     if element_size == 1:
-        return TileConfig(block_n=4, block_k=block_k, num_warps=4)
+        block_k = min(2048, max(16, triton.next_power_of_2(in_features)))
+        return TileConfig(block_n=4, block_k=block_k, num_warps=4, thread_sum=max(1, min(16, block_k // 128)))
+    block_k = min(1024, max(16, triton.next_power_of_2(in_features)))
     return TileConfig(block_n=8, block_k=block_k, num_warps=4 if silu_mul else 8)
 
 
@@ -394,7 +420,8 @@ def linear_gemv(
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         W_SCALED=weight_scale is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_BLOCK=norm_block(in_features),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, THREAD_SUM=config.thread_sum,
+        NORM_BLOCK=norm_block(in_features),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out

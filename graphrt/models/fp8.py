@@ -17,6 +17,8 @@ activations' dtype (the reference path: CPU, block scales).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +128,25 @@ def scales_for_rows(scale: torch.Tensor, rows: int, columns: int, scale_columns:
     return per_row[:, 0].contiguous() if scale_columns is None else per_row.contiguous()
 
 
+@functools.cache
+def _fp8_matmul():
+    """``graphrt.kernels.fp8_matmul``, imported on first use: it imports Triton, which only CUDA
+    forwards need."""
+    from graphrt.kernels import fp8_matmul
+
+    return fp8_matmul
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ (Q * scale)^T + bias`` with Q [out, in] float8_e4m3fn and scale float32 [out] (or [out,
     ceil(in / scale_columns)]) as buffers; bias [out] in the model dtype or None.
 
-    On CUDA with row scales, forwards of up to ``w8a16_max_tokens`` tokens run the W8A16 kernel
-    (``graphrt.kernels.fp8_matmul.w8a16_matmul``) and, with ``tensor_cores``, larger ones FP8 tensor
-    cores with per-token activation scales (sm_89+, widths of 16s); anything else the reference path:
-    the dequantised weight computed in float32, rounded to x's dtype once, one matmul.
+    On CUDA with row scales, forwards run the Triton kernels of ``graphrt.kernels.fp8_matmul``: with
+    ``tensor_cores`` (sm_89+, widths of 16s) forwards of more than ``w8a16_max_tokens`` tokens FP8
+    tensor cores with per-token activation scales (``scaled_mm``), the others the W8A16 kernel
+    (``w8a16_matmul``); anything else (CPU, block scales) the reference path: the dequantised weight
+    computed in float32, rounded to x's dtype once, one matmul. (One token is usually the GEMV
+    kernels', which the decoder layer calls itself.)
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None,
@@ -144,13 +157,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        self.tensor_cores, self.w8a16_max_tokens = False, 0
-        if (tensor_cores or w8a16_max_tokens) and scale_columns is None:
-            from graphrt.kernels import fp8_matmul
-
-            self.tensor_cores = tensor_cores and fp8_matmul.supports_shape(out_features, in_features)
-            self.w8a16_max_tokens = w8a16_max_tokens
-            self._scaled_mm, self._w8a16 = fp8_matmul.scaled_mm, fp8_matmul.w8a16_matmul
+        self.tensor_cores = (tensor_cores and scale_columns is None and out_features % 16 == 0
+                             and in_features % 16 == 0)  # fp8_matmul.supports_shape, without importing Triton
+        self.w8a16_max_tokens = w8a16_max_tokens
 
     @property
     def row_scales(self) -> torch.Tensor | None:
@@ -175,14 +184,20 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
-        if x.is_cuda and 0 < x.shape[0] <= self.w8a16_max_tokens:
-            return self._w8a16(x, self.weight, self.weight_scale, self.bias)
-        if x.is_cuda and self.tensor_cores:
-            return self._scaled_mm(x, self.weight, self.weight_scale, self.bias)
+        if x.is_cuda and self.scale_columns is None:
+            kernels = _fp8_matmul()
+            if self.tensor_cores and x.shape[0] > self.w8a16_max_tokens:
+                return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias)
+            return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias)
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         scales = "per row" if self.scale_columns is None else f"per row and {self.scale_columns} columns"
-        path = (f"w8a16 up to {self.w8a16_max_tokens} tokens, " if self.w8a16_max_tokens else "") + (
-            "fp8 tensor cores" if self.tensor_cores else "dequantise + matmul")
+        if self.scale_columns is not None:
+            path = "dequantise + matmul"
+        elif self.tensor_cores:
+            path = (f"on CUDA w8a16 up to {self.w8a16_max_tokens} tokens, then " if self.w8a16_max_tokens
+                    else "on CUDA ") + "fp8 tensor cores"
+        else:
+            path = "on CUDA w8a16"
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 scales {scales}, {path}"

@@ -35,10 +35,11 @@ class GemvThresholds:
     max_dependent_layer_bytes: int
     #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
     measured_on: str
-    #: FP8 weights: forwards of at most this many tokens (above the GEMV layers' one) run the W8A16
-    #: kernel, larger ones FP8 tensor cores with per-token activation scales (their quantisation launch
-    #: and cuBLAS's FP8 GEMM cost more below it; measured on the 1B shape's matrices).
-    w8a16_max_tokens: int = 16
+    #: FP8 weights on a GPU with FP8 tensor cores: forwards of at most this many tokens (above the GEMV
+    #: layers' one) run the W8A16 kernel, larger ones FP8 tensor cores with per-token activation
+    #: scales. 0: at 8 and 64 rows of the Llama-3-8B and 1B matrices the FP8 tensor-core kernel, its
+    #: quantisation launch included, took 0.70-1.0x the W8A16 kernel's time (profiles/notes_fp8.md).
+    w8a16_max_tokens: int = 0
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -79,10 +80,10 @@ class KernelPolicy:
     each layer on GEMV kernels (0 = never). quantization: None, or "fp8": the layers' linear weights are
     FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
-    GEMV kernels read FP8 codes with row scales (W8A16); on CUDA forwards of up to ``w8a16_max_tokens``
-    tokens run the W8A16 tensor-core kernel and, with ``fp8_tensor_cores``, larger ones FP8 tensor
-    cores with per-token activation scales (row scales, sm_89+); layers none serves dequantise and run
-    one matmul.
+    GEMV kernels read FP8 codes with row scales (W8A16); on CUDA the other forwards with row scales run
+    FP8 tensor cores with per-token activation scales (``fp8_tensor_cores``: sm_89+) above
+    ``w8a16_max_tokens`` tokens, the W8A16 tensor-core kernel otherwise (``graphrt.models.fp8.Fp8Linear``);
+    block scales and the CPU dequantise and run one matmul.
     """
 
     fused: bool = False
