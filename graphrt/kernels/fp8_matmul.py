@@ -86,8 +86,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows`` in torch ops (the reference it must equal)."""
     x = x.float()
-    scales = (x.abs().amax(dim=1) / float(torch.finfo(FP8_DTYPE).max)).clamp(min=MIN_SCALE)
     limit = float(torch.finfo(FP8_DTYPE).max)
+    amax = x.abs().amax(dim=1)
+    # Divided by a tensor: torch on CUDA divides by a Python number as a product with its reciprocal,
+    # which is not the correctly rounded quotient (the kernel's), and flips codes at ties.
+    scales = (amax / torch.full_like(amax, limit)).clamp(min=MIN_SCALE)
     return (x / scales[:, None]).clamp(-limit, limit).to(FP8_DTYPE), scales
 
 
@@ -108,8 +111,8 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
     x: [M, K] 16-bit or float32 on CUDA; weight: [N, K] float8_e4m3fn, contiguous; weight_scale: [N]
     float32; bias: None or [N]. Returns [M, N] in x's dtype. Up to ``TRITON_MAX_ROWS`` rows: one
-    quantisation launch and the Triton kernel (``tile``: its tiling, default ``rows_tile``'s), the sums
-    in float32 (Hopper's FP8 accumulator is promoted into float32 registers every K slice); more rows:
+    quantisation launch and the Triton kernel (``tile``: its tiling, default ``rows_tile``'s; Hopper's FP8
+    accumulator, about 14 bits, is added into float32 registers every K slice); more rows:
     ``torch._scaled_mm`` with row-wise scales, written in bfloat16 (the one output type row-wise
     scaling takes) and converted when x is not bfloat16. No host sync: safe inside a CUDA graph.
     """
