@@ -120,7 +120,8 @@ class EngineConfig:
     #: checkpoint still loads as FP8) or "fp8": FP8 E4M3 with float32 scales, a 16-bit checkpoint
     #: quantized at load with one scale per output channel (``graphrt.models.fp8``). The embedding and
     #: the LM head stay in the model dtype. On CUDA one-token forwards run W8A16 GEMV kernels and larger
-    #: ones FP8 tensor cores (sm_89+); on CPU the dequantising reference path.
+    #: ones FP8 tensor cores with per-token activation scales (sm_89+; W8A16 before); on CPU the
+    #: dequantising reference path.
     quantization: str | None = None
     #: The KV cache's storage: "auto" (the model dtype) or "fp8" (E4M3, half a 16-bit cache's bytes; it
     #: stores ``k / k_scale`` and ``v / v_scale`` with each layer's scales from the checkpoint, else 1.0).
