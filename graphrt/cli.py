@@ -85,7 +85,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         "times slower than 16 bits: for checking numerics)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="KV-cache storage: auto = the model dtype, fp8 = E4M3 (one byte a value; per-layer "
-                        "scales from the checkpoint, else 1.0)")
+                        "scales from the checkpoint, else 1.0; generate --calibrate-kv-scales measures them)")
     parser.add_argument("--unfused", dest="fused_kernels", action="store_const", const=False, default=None,
                         help="run the layers' elementwise work as unfused torch ops instead of the fused Triton "
                         "kernels, and batch 1 on cuBLAS instead of the fused matrix-vector kernels (the "
@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--calibrate-kv-scales", action="store_true",
+                     help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
+                     "none) from the largest key and value of the first prefill, which then runs twice; the "
+                     "decode graphs are captured after it")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "
@@ -219,7 +223,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
-        check_graphs=args.check_graphs, **kernel_options(args),
+        check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

@@ -126,6 +126,10 @@ class EngineConfig:
     #: The KV cache's storage: "auto" (the model dtype) or "fp8" (E4M3, half a 16-bit cache's bytes; it
     #: stores ``k / k_scale`` and ``v / v_scale`` with each layer's scales from the checkpoint, else 1.0).
     kv_cache_dtype: str = "auto"
+    #: With ``kv_cache_dtype="fp8"``: layers without checkpoint scales take ``k_scale = max|k| / 448``
+    #: and ``v_scale = max|v| / 448`` over the engine's first prefill (run twice: once to measure, once
+    #: to store), and the decode graphs are captured after it. Values beyond those maxima later saturate.
+    calibrate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -146,6 +150,11 @@ class EngineConfig:
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
         self.check_graphs = int(self.check_graphs)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # refuses an unknown name now
+        if not isinstance(self.calibrate_kv_scales, bool):
+            raise ConfigError(f"calibrate_kv_scales must be True or False, got {self.calibrate_kv_scales!r}")
+        if self.calibrate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ConfigError("calibrate_kv_scales needs kv_cache_dtype='fp8' (a cache in the model dtype has no "
+                              "scales)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")

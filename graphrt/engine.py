@@ -94,8 +94,15 @@ class LLMEngine:
             check_graphs=config.check_graphs,
             device=self.device,
         )
-        self.decode_runner.capture(progress=progress)
-        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner)
+        # Calibrated KV scales are baked into the decode graphs: they are captured after the first prefill.
+        self.calibrate_kv_scales = config.calibrate_kv_scales and not all(
+            layer.self_attn.kv_scales_stored for layer in self.model.layers)
+        if config.calibrate_kv_scales and not self.calibrate_kv_scales:
+            logger.info("calibrate_kv_scales: every layer has KV-cache scales from the checkpoint; they are kept")
+        if not self.calibrate_kv_scales:
+            self.decode_runner.capture(progress=progress)
+        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
+                                  calibrate_kv_scales=self.calibrate_kv_scales, progress=progress)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         self._in_flight: _InFlightDecode | None = None
@@ -105,11 +112,12 @@ class LLMEngine:
         self.closed = False
         logger.info(
             "graphrt engine: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, "
-            "%s kernels%s",
+            "%s kernels%s%s",
             self.model_config.architecture, self.device, self.dtype,
             f", {self.quantization} weights" if self.quantization else "", num_blocks, config.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, self.attention_backend.name,
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
+            ", KV scales calibrated over the first prefill" if self.calibrate_kv_scales else "",
         )
 
     def _resolve_dependent_launch(self) -> bool:

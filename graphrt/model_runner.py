@@ -8,6 +8,8 @@ graphs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from graphrt.attention import AttentionBackend
@@ -26,6 +28,8 @@ from graphrt.sampling.logprobs import (
 from graphrt.sampling.sampler import SamplingTensors
 from graphrt.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """Runs scheduled steps over the paged KV cache: prefills eagerly, decodes through ``decode_runner``.
@@ -40,6 +44,8 @@ class ModelRunner:
         backend: type[AttentionBackend],
         block_manager: BlockManager,
         decode_runner: DecodeGraphRunner,
+        calibrate_kv_scales: bool = False,
+        progress: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -51,6 +57,10 @@ class ModelRunner:
         #: Prefill tokens are chosen as decode tokens are, by the model's kernel policy, so a request's
         #: draws come from one race formula.
         self._sample = model.kernel_policy.sample
+        #: Pending until the first prefill: the fp8 cache's scales are measured over it, then the decode
+        #: graphs captured (``EngineConfig.calibrate_kv_scales``; ``progress``: their progress bar).
+        self.calibrate_kv_scales = calibrate_kv_scales
+        self._progress = progress
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -126,7 +136,10 @@ class ModelRunner:
                 device=self.device,
             )
             ids = pinned_to_device(input_ids, torch.int64, self.device)
-            hidden = self.model(ids, pinned_to_device(positions, torch.int64, self.device), self.kv_caches, metadata)
+            position_ids = pinned_to_device(positions, torch.int64, self.device)
+            if self.calibrate_kv_scales:
+                self._calibrate_kv_scales(ids, position_ids, metadata)
+            hidden = self.model(ids, position_ids, self.kv_caches, metadata)
             last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
             logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
             scored_prompts = self._score_prompts(seqs, hidden, query_lens)
@@ -145,6 +158,19 @@ class ModelRunner:
             if scored is not None:
                 seq.prompt_logprobs = scored
         return token_ids, logprobs
+
+    def _calibrate_kv_scales(self, ids: torch.Tensor, positions: torch.Tensor, metadata) -> None:
+        """The first prefill's forward once to measure the layers' largest k and v (its cache writes,
+        with the old scales, are overwritten by the forward that follows), the scales set, then the
+        decode graphs captured with them."""
+        with nvtx.range("calibrate kv scales"):
+            scales = self.model.calibrate_kv_scales(lambda: self.model(ids, positions, self.kv_caches, metadata))
+        self.calibrate_kv_scales = False
+        if scales:
+            logger.info("KV-cache scales calibrated over %d prompt tokens: k %.3g..%.3g, v %.3g..%.3g",
+                        ids.shape[0], min(k for k, _ in scales), max(k for k, _ in scales),
+                        min(v for _, v in scales), max(v for _, v in scales))
+        self.decode_runner.capture(progress=self._progress)
 
     def _score_prompts(self, seqs: list[Sequence], hidden: torch.Tensor,
                        query_lens: list[int]) -> list[list[TokenLogprobs | None] | None]:

@@ -25,6 +25,7 @@ from random_checkpoints import random_prompts, write_random_checkpoint  # noqa: 
 
 from graphrt import LLM, ModelLoadError  # noqa: E402
 from graphrt.models.fp8 import FP8_DTYPE, Fp8Linear  # noqa: E402
+from graphrt.sampling.params import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,13 @@ def test_kv_cache_scales_come_from_the_checkpoint(source, tmp_path):
         scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in llm.engine.model.layers]
         assert scales == [(0.5, 0.25), (1.5, 0.25)]
         assert all(cache.dtype == FP8_DTYPE for cache in llm.engine.runner.kv_caches)
+    # Calibration leaves the checkpoint's scales (and captures at start-up as usual).
+    with LLM(str(tmp_path / "kv"), dtype="float32", device="cpu", kv_cache_dtype="fp8", calibrate_kv_scales=True,
+             progress=False) as llm:
+        assert not llm.engine.calibrate_kv_scales and not llm.engine.runner.calibrate_kv_scales
+        llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=2))
+        assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in llm.engine.model.layers] == [
+            (0.5, 0.25), (1.5, 0.25)]
 
 
 def _rewrite(path, target, change_config=None, change_tensors=None):

@@ -18,7 +18,6 @@ activations' dtype (the reference path: CPU, block scales).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch

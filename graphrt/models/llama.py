@@ -14,7 +14,7 @@ launches (fused kernels, sm_90+) let each decode kernel overlap the end of the o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from graphrt.base import nvtx
 from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
-from .fp8 import FP8_DTYPE, Fp8Linear, dequantize, scales_for_rows
+from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, scales_for_rows
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
@@ -60,8 +60,12 @@ class LlamaAttention(nn.Module):
                                 device, policy)
         self.o_proj = _linear(config.q_size, config.hidden_size, False, dtype, device, policy)
         #: An fp8 KV cache stores ``k / k_scale`` and ``v / v_scale`` (float32 scales from the checkpoint,
-        #: else 1); a 16-bit cache ignores them.
+        #: else 1, or calibrated: ``LlamaForCausalLM.calibrate_kv_scales``); a 16-bit cache ignores them.
         self.k_scale = self.v_scale = 1.0
+        #: Whether the checkpoint gave k_scale / v_scale (calibration then leaves them).
+        self.kv_scales_stored = False
+        #: While calibrating: float32 [2] on the device, the largest |k| (rotated) and |v| seen so far.
+        self.kv_amax: torch.Tensor | None = None
         self.rotary = rotary
         self.attn = backend.get_impl_cls()(
             num_heads=config.num_attention_heads,
@@ -82,6 +86,8 @@ class LlamaAttention(nn.Module):
 
         ``input_norm`` (GEMV layers, fused kernels): ``hidden`` is the residual stream instead, and one
         kernel normalises it, projects it to q, k and v, rotates them and stores k and v."""
+        if self.kv_amax is not None:
+            self._record_kv_amax(positions, hidden, input_norm)
         launch = self.policy.dependent_launch
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if input_norm is not None:
@@ -105,6 +111,16 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch,
                                  **scales)
+
+
+    def _record_kv_amax(self, positions, hidden, input_norm: RMSNorm | None) -> None:
+        """Folds this forward's largest |k| and |v| into ``kv_amax``, k rotated as the cache stores it
+        (a projection of its own, beside the forward's: calibration runs once)."""
+        normed = hidden if input_norm is None else input_norm(hidden)
+        q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        _, k = self.rotary(positions, q, k)
+        seen = torch.stack([k.abs().amax(), v.abs().amax()]).float()
+        torch.maximum(self.kv_amax, seen, out=self.kv_amax)
 
 
 class LlamaMLP(nn.Module):
@@ -265,6 +281,27 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(residual)
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def calibrate_kv_scales(self, forward: Callable[[], object]) -> list[tuple[float, float]]:
+        """Run ``forward()`` (a forward of this model) while each attention layer records its largest
+        |k| and |v|, then give every layer without checkpoint scales ``k_scale = max|k| / 448`` and
+        ``v_scale = max|v| / 448`` (1.0 where the maximum is 0): the forward's values then fit an fp8
+        cache exactly up to its rounding, and later larger ones saturate at +-448 scales. Returns each
+        layer's (k_scale, v_scale). The forward's own cache writes used the old scales: run it again."""
+        attentions = [layer.self_attn for layer in self.layers]
+        for attention in attentions:
+            attention.kv_amax = torch.zeros(2, dtype=torch.float32, device=self.embed_tokens.weight.device)
+        try:
+            forward()
+            maxima = torch.stack([attention.kv_amax for attention in attentions]).tolist() if attentions else []
+        finally:
+            for attention in attentions:
+                attention.kv_amax = None
+        for attention, (k_max, v_max) in zip(attentions, maxima):
+            if not attention.kv_scales_stored:
+                attention.k_scale = k_max / FP8_MAX if k_max > 0 else 1.0
+                attention.v_scale = v_max / FP8_MAX if v_max > 0 else 1.0
+        return [(attention.k_scale, attention.v_scale) for attention in attentions]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] in the model dtype -> logits [N, V] float32, whatever the model dtype.
@@ -454,6 +491,7 @@ class LlamaForCausalLM(nn.Module):
             attention.k_scale = value
         if leaf in ("v_scale", "kv_scale"):
             attention.v_scale = value
+        attention.kv_scales_stored = True
 
     def _target_of(self, name: str) -> tuple[str | None, int | None]:
         """Map an HF tensor name to (our parameter name, shard index or None); (None, None) = skip."""
