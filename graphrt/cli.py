@@ -80,7 +80,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         help="fp8: the decoder layers' linear weights in FP8 E4M3, a 16-bit checkpoint quantized at "
                         "load with a scale per output channel (an FP8 checkpoint is FP8 without it); CUDA runs "
                         "them on W8A16 matrix-vector kernels at one token and on FP8 tensor cores above (per-token "
-                        "activation scales; W8A16 before sm_89); "
+                        "activation scales; FP8 on CUDA needs sm_89+); "
                         "block-scaled checkpoints and the CPU dequantise every weight each forward (on CPU several "
                         "times slower than 16 bits: for checking numerics)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",

@@ -120,15 +120,17 @@ class EngineConfig:
     #: checkpoint still loads as FP8) or "fp8": FP8 E4M3 with float32 scales, a 16-bit checkpoint
     #: quantized at load with one scale per output channel (``graphrt.models.fp8``). The embedding and
     #: the LM head stay in the model dtype. On CUDA one-token forwards run W8A16 GEMV kernels and larger
-    #: ones FP8 tensor cores with per-token activation scales (sm_89+; W8A16 before); on CPU the
+    #: ones FP8 tensor cores with per-token activation scales (FP8 on CUDA needs sm_89+); on CPU the
     #: dequantising reference path.
     quantization: str | None = None
     #: The KV cache's storage: "auto" (the model dtype) or "fp8" (E4M3, half a 16-bit cache's bytes; it
     #: stores ``k / k_scale`` and ``v / v_scale`` with each layer's scales from the checkpoint, else 1.0).
     kv_cache_dtype: str = "auto"
-    #: With ``kv_cache_dtype="fp8"``: layers without checkpoint scales take ``k_scale = max|k| / 448``
-    #: and ``v_scale = max|v| / 448`` over the engine's first prefill (run twice: once to measure, once
-    #: to store), and the decode graphs are captured after it. Values beyond those maxima later saturate.
+    #: With ``kv_cache_dtype="fp8"``: scales the checkpoint lacks become ``4 * max|k| / 448`` and
+    #: ``4 * max|v| / 448`` over the engine's first prefill (``graphrt.models.llama.KV_SCALE_HEADROOM``),
+    #: which runs twice (measure, then store), and the decode graphs are captured after it, so the
+    #: first request waits for both. The first batch decides the scales for good: later values beyond
+    #: 4x its maxima saturate.
     calibrate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
@@ -153,8 +155,8 @@ class EngineConfig:
         if not isinstance(self.calibrate_kv_scales, bool):
             raise ConfigError(f"calibrate_kv_scales must be True or False, got {self.calibrate_kv_scales!r}")
         if self.calibrate_kv_scales and self.kv_cache_dtype != "fp8":
-            raise ConfigError("calibrate_kv_scales needs kv_cache_dtype='fp8' (a cache in the model dtype has no "
-                              "scales)")
+            raise ConfigError("calibrate_kv_scales (--calibrate-kv-scales) needs kv_cache_dtype='fp8' "
+                              "(--kv-cache-dtype fp8): a cache in the model dtype has no scales")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")

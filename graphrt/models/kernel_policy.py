@@ -35,11 +35,13 @@ class GemvThresholds:
     max_dependent_layer_bytes: int
     #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
     measured_on: str
-    #: FP8 weights on a GPU with FP8 tensor cores: forwards of at most this many tokens (above the GEMV
-    #: layers' one) run the W8A16 kernel, larger ones FP8 tensor cores with per-token activation
-    #: scales. 0: at 8 and 64 rows of the Llama-3-8B and 1B matrices the FP8 tensor-core kernel, its
-    #: quantisation launch included, took 0.70-1.0x the W8A16 kernel's time (profiles/notes_fp8.md).
-    w8a16_max_tokens: int = 0
+    #: FP8 weights on a GPU with FP8 tensor cores: forwards of at most this many tokens run the W8A16
+    #: kernel, larger ones FP8 tensor cores with per-token activation scales. 1: one token keeps the
+    #: numerics of the GEMV kernels (activations not quantised) where those do not run (unfused
+    #: models, the 8B launched plainly); above it the FP8 tensor-core kernel, its quantisation launch
+    #: included, took 0.85-0.88x the W8A16 kernel's time at 2-16 rows of the Llama-3-8B and 1B layers
+    #: and 0.38-0.41x at 64 (profiles/notes_fp8.md).
+    w8a16_max_tokens: int = 1
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer

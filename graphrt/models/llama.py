@@ -14,6 +14,8 @@ launches (fused kernels, sm_90+) let each decode kernel overlap the end of the o
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,6 +27,22 @@ from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, scales_for_rows
+
+logger = logging.getLogger(__name__)
+
+#: A calibrated KV scale maps this many times the largest value seen onto fp8's 448: two binades of
+#: room for later, larger keys and values (E4M3 spans 18 binades, so the small ones lose little).
+KV_SCALE_HEADROOM = 4.0
+
+
+def _calibrated_scale(maximum: float, layer: int, kind: str) -> float:
+    """``KV_SCALE_HEADROOM * maximum / 448``, or 1.0 (with a warning when not finite) for a maximum
+    that is 0 or not finite."""
+    if not math.isfinite(maximum):
+        logger.warning("layer %d: the calibration prefill's largest |%s| is %s; its scale stays 1.0", layer, kind,
+                       maximum)
+        return 1.0
+    return KV_SCALE_HEADROOM * maximum / FP8_MAX if maximum > 0 else 1.0
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
@@ -62,8 +80,8 @@ class LlamaAttention(nn.Module):
         #: An fp8 KV cache stores ``k / k_scale`` and ``v / v_scale`` (float32 scales from the checkpoint,
         #: else 1, or calibrated: ``LlamaForCausalLM.calibrate_kv_scales``); a 16-bit cache ignores them.
         self.k_scale = self.v_scale = 1.0
-        #: Whether the checkpoint gave k_scale / v_scale (calibration then leaves them).
-        self.kv_scales_stored = False
+        #: Whether the checkpoint gave k_scale / v_scale (calibration then leaves that one).
+        self.k_scale_stored = self.v_scale_stored = False
         #: While calibrating: float32 [2] on the device, the largest |k| (rotated) and |v| seen so far.
         self.kv_amax: torch.Tensor | None = None
         self.rotary = rotary
@@ -284,10 +302,11 @@ class LlamaForCausalLM(nn.Module):
 
     def calibrate_kv_scales(self, forward: Callable[[], object]) -> list[tuple[float, float]]:
         """Run ``forward()`` (a forward of this model) while each attention layer records its largest
-        |k| and |v|, then give every layer without checkpoint scales ``k_scale = max|k| / 448`` and
-        ``v_scale = max|v| / 448`` (1.0 where the maximum is 0): the forward's values then fit an fp8
-        cache exactly up to its rounding, and later larger ones saturate at +-448 scales. Returns each
-        layer's (k_scale, v_scale). The forward's own cache writes used the old scales: run it again."""
+        |k| and |v|, then give every scale the checkpoint did not ``k_scale = KV_SCALE_HEADROOM * max|k|
+        / 448`` (``v_scale`` likewise; 1.0 where the maximum is 0 or not finite): the forward's values
+        fit an fp8 cache up to its rounding, with room for later values up to KV_SCALE_HEADROOM times
+        larger before they saturate. Returns each layer's (k_scale, v_scale). The forward's own cache
+        writes used the old scales: run it again."""
         attentions = [layer.self_attn for layer in self.layers]
         for attention in attentions:
             attention.kv_amax = torch.zeros(2, dtype=torch.float32, device=self.embed_tokens.weight.device)
@@ -297,10 +316,11 @@ class LlamaForCausalLM(nn.Module):
         finally:
             for attention in attentions:
                 attention.kv_amax = None
-        for attention, (k_max, v_max) in zip(attentions, maxima):
-            if not attention.kv_scales_stored:
-                attention.k_scale = k_max / FP8_MAX if k_max > 0 else 1.0
-                attention.v_scale = v_max / FP8_MAX if v_max > 0 else 1.0
+        for index, (attention, (k_max, v_max)) in enumerate(zip(attentions, maxima)):
+            if not attention.k_scale_stored:
+                attention.k_scale = _calibrated_scale(k_max, index, "k")
+            if not attention.v_scale_stored:
+                attention.v_scale = _calibrated_scale(v_max, index, "v")
         return [(attention.k_scale, attention.v_scale) for attention in attentions]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -488,10 +508,9 @@ class LlamaForCausalLM(nn.Module):
             if leaf is None:
                 return
         if leaf in ("k_scale", "kv_scale"):
-            attention.k_scale = value
+            attention.k_scale, attention.k_scale_stored = value, True
         if leaf in ("v_scale", "kv_scale"):
-            attention.v_scale = value
-        attention.kv_scales_stored = True
+            attention.v_scale, attention.v_scale_stored = value, True
 
     def _target_of(self, name: str) -> tuple[str | None, int | None]:
         """Map an HF tensor name to (our parameter name, shard index or None); (None, None) = skip."""
