@@ -101,7 +101,7 @@ def time_graph(step, copies: int, rep_ms: int = 150) -> float:
 
 
 def bench_ours(pool: Pool, batch: int, context: int, workspace, num_splits=None, config=None,
-               k_scale=1.0, v_scale=1.0, element_size=2, rep_ms=100, eager=False, fp8_dot_f16=False) -> dict:
+               k_scale=1.0, v_scale=1.0, element_size=2, rep_ms=100, eager=False, fp8_dot_f16=True) -> dict:
     nbytes = kv_bytes(batch, context, element_size)
     copies = copies_for(nbytes)
     tables = pool.tables(batch, context, copies)
