@@ -11,6 +11,7 @@
 #   bench-headline                     graphrt bench of the 1B at batch 1, 64, 256 (the README's figures)
 #   fp8-smoke, bench-fp8               FP8 weights / KV cache: a generate each, then bf16 against FP8 (notes_fp8.md)
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
+#   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles at 8 and 64 rows
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
@@ -69,6 +70,11 @@ for stage in $stages; do
       log "bench_fp8_linear.py: 1B and 8B matrices, 1-64 rows"
       python profiles/bench_fp8_linear.py --rows 1 2 4 8 16 64 --json "$OUT/fp8_linear_$TAG.json" \
         | tee "$OUT/fp8_linear_$TAG.txt" || status=1
+      ;;
+    fp8-rows-sweep)
+      log "bench_fp8_linear.py --sweep rows: tiles of the 2-64-row kernel at 8 and 64 rows"
+      python profiles/bench_fp8_linear.py --rows 8 64 --sweep rows --json "$OUT/fp8_rows_sweep_$TAG.json" \
+        | tee "$OUT/fp8_rows_sweep_$TAG.txt" || status=1
       ;;
     bench-headline)
       log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"
