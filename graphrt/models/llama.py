@@ -27,6 +27,8 @@ from graphrt.base.errors import ModelLoadError
 
 from .config import ModelConfig
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, scales_for_rows
+from .kernel_policy import KernelPolicy
+from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ def _calibrated_scale(maximum: float, layer: int, kind: str) -> float:
                        maximum)
         return 1.0
     return KV_SCALE_HEADROOM * maximum / FP8_MAX if maximum > 0 else 1.0
-from .kernel_policy import KernelPolicy
-from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device, policy: KernelPolicy) -> nn.Module:
@@ -129,7 +129,6 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch,
                                  **scales)
-
 
     def _record_kv_amax(self, positions, hidden, input_norm: RMSNorm | None) -> None:
         """Folds this forward's largest |k| and |v| into ``kv_amax``, k rotated as the cache stores it
