@@ -100,8 +100,9 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 
 
 #: Most rows ``scaled_mm`` runs on the Triton kernel (``_weight_rows_kernel``); more go to cuBLAS
-#: (``torch._scaled_mm``). At 8 and 64 rows of the Llama-3-8B matrices the Triton kernel took 0.50-0.86x
-#: cuBLAS's time (profiles/notes_fp8.md); above, prefill-sized products are cuBLAS's ground.
+#: (``torch._scaled_mm``). At 8 and 64 rows of the Llama-3-8B and 1B matrices the Triton kernel at its
+#: default tile took 0.60-0.93x cuBLAS's time (profiles/notes_fp8.md); above, prefill-sized products
+#: are cuBLAS's ground.
 TRITON_MAX_ROWS = 64
 
 
@@ -154,7 +155,7 @@ def _weight_rows_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
-    # tokens fill an MMA that way, where as the M side they would be padded to 64.
+    # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
