@@ -127,8 +127,10 @@ class LLMEngine:
         below it, and every FP8 kernel here takes one."""
         fp8 = [what for what, wanted in (("FP8 weights (quantization='fp8')", self.quantization == "fp8"),
                                          ("an fp8 KV cache", self.kv_cache_dtype == torch.float8_e4m3fn)) if wanted]
-        if fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(self.device)
+        if not fp8 or self.device.type != "cuda":
+            return
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
             raise ConfigError(f"{' and '.join(fp8)} need a GPU of compute capability 8.9 or later (Ada, Hopper); "
                               f"this one is {major}.{minor}")
 

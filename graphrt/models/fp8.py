@@ -9,9 +9,9 @@ weight of normal range comes back within 2**-4 of itself (relative), and one und
 within ``2**-10 * scale`` (absolute: the subnormal step's half).
 
 ``Fp8Linear``'s paths are fixed when it is built: one-token decode layers call the GEMV kernels with
-its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward runs a few
-tokens on the W8A16 tensor-core kernel and more on FP8 tensor cores with per-token activation scales
-(``graphrt.kernels.fp8_matmul``: CUDA, row scales), or dequantises and runs one matmul in the
+its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward runs up to
+``w8a16_max_tokens`` tokens on the W8A16 tensor-core kernel and more on FP8 tensor cores with
+per-token activation scales (``graphrt.kernels.fp8_matmul``: CUDA, row scales), or dequantises and runs one matmul in the
 activations' dtype (the reference path: CPU, block scales).
 """
 
