@@ -65,7 +65,7 @@ TILE_BYTES = 64 * 1024
 _SMEM_OVERHEAD = 9 * 1024
 #: Programs of 4 warps per SM at most, from the registers the compiled sm_90 kernel takes a thread, by
 #: cache element size: 16-bit caches fit 3 at head size 128 (beside the shared memory limit) and 4 at
-#: head size 64 (profiles/notes_paged_decode.md has the split counts this gives); fp8 caches, whose kernel takes the most registers, fit 2.
+#: head size 64 (profiles/notes_paged_decode.md has the split counts this gives); fp8 caches, whose kernel takes the most registers, fit 2 (4 of the 2-warp programs of ``_FP8_TILES``).
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).
@@ -106,8 +106,19 @@ def _program_shared_memory(block_n: int, head_size: int, cache_element_size: int
     return block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
 
 
+#: fp8 caches at head size 128 (padded): 64-token tiles of 2 warps, 3 stages. The fp8 kernel is
+#: register-bound (the codes and their fp16 widening both live in registers), so smaller programs,
+#: more of them an SM, keep more bytes in flight: the fastest of 24 tiles x 3 split counts at batch 32,
+#: context 2,048 and batch 64, context 4,096 (profiles/notes_paged_decode.md). Other head sizes keep the
+#: general rule (not measured).
+_FP8_TILES = {128: DecodeConfig(block_n=64, num_warps=2, num_stages=3)}
+
+
 def default_config(head_size: int, cache_element_size: int, device: torch.device | None = None) -> DecodeConfig:
-    """Tiles of ~``TILE_BYTES`` of K/V (at most 128 tokens), 4 warps, halved until they fit."""
+    """Tiles of ~``TILE_BYTES`` of K/V (at most 128 tokens), 4 warps, halved until they fit; fp8 caches
+    at head size 128: ``_FP8_TILES``."""
+    if cache_element_size == 1 and triton.next_power_of_2(head_size) in _FP8_TILES:
+        return _FP8_TILES[triton.next_power_of_2(head_size)]
     _, smem = _device_limits(device)
     block_n = max(16, min(128, TILE_BYTES // _bytes_per_token(head_size, cache_element_size)))
     while block_n > 16 and _program_shared_memory(block_n, head_size, cache_element_size) > smem:
@@ -489,6 +500,23 @@ def _merge_splits(
 _MERGE_TILE_ELEMENTS = 8192
 
 
+def compiled_kernel_resources() -> list[dict]:
+    """What each compiled variant of the split kernel takes so far (profiling: registers bound the fp8
+    kernel): per variant its warps, stages, registers and spills a thread (None until first launched) and
+    shared memory in bytes. Read from Triton's kernel cache, whose layout differs between versions: what
+    cannot be read is left out."""
+    found = []
+    for cache in _decode_split_kernel.device_caches.values():
+        kernels = cache[0] if isinstance(cache, tuple) else cache
+        for kernel in getattr(kernels, "values", lambda: [])():
+            metadata = getattr(kernel, "metadata", None)
+            found.append({"num_warps": getattr(metadata, "num_warps", None),
+                          "num_stages": getattr(metadata, "num_stages", None),
+                          "registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                          "shared": getattr(metadata, "shared", None), "key": id(kernel)})
+    return found
+
+
 def paged_decode_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -635,6 +663,7 @@ def paged_decode_attention(
 
 __all__ = [
     "DecodeConfig",
+    "compiled_kernel_resources",
     "DecodeWorkspace",
     "MAX_SPLITS",
     "choose_launch",

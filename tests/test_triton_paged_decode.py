@@ -369,6 +369,19 @@ def test_unsplit_programs_past_one_wave_take_short_tiles_where_those_fit_one(mon
     assert tpd.choose_launch(fp8, 64, 8, 513, 128, 1)[0] == fp8
 
 
+def test_fp8_caches_at_head_size_128_take_small_programs_and_split_by_their_residency(monkeypatch):
+    """fp8 caches at head size 128 (or padded to it): 64-token tiles of 2 warps, 4 an SM on an H200 (528
+    resident), so batch 32 at context 2,048 runs 2 splits and batch 64 at 4,096 one (the measured fastest
+    counts for that tile); other head sizes keep the general tile."""
+    monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 227 * 1024))
+    fp8 = tpd.default_config(128, 1)
+    assert fp8 == tpd.DecodeConfig(block_n=64, num_warps=2, num_stages=3) == tpd.default_config(96, 1)
+    assert tpd.resident_programs(fp8, 128, 1) == 528
+    assert tpd.choose_launch(fp8, 32, 8, 2048, 128, 1) == (fp8, 2)
+    assert tpd.choose_launch(fp8, 64, 8, 4096, 128, 1) == (fp8, 1)
+    assert tpd.default_config(64, 1).num_warps == 4 and tpd.default_config(256, 1).num_warps == 4
+
+
 def test_default_config_fits_shared_memory():
     for head_size in (64, 80, 96, 112, 128, 256):
         for element_size in (1, 2, 4):
