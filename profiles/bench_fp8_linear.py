@@ -70,14 +70,14 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
             2 * codes.numel())
         tiles = [None]
         if "rows" in sweep and rows in (8, 64):
-            # 16 and 32 weight rows a program: more programs for matrices of few output rows (the 1B's,
-            # the 8B's O and down fill 32-64 programs at 64 rows), on mma.sync instead of wgmma.
-            tiles += [fp8_matmul.RowsTile(min(64, max(16, rows)), bn, bk, 4, stages)
-                      for bn, bk, stages in ((64, 256, 4), (64, 128, 6), (128, 128, 4), (128, 256, 3),
-                                             (32, 256, 4), (16, 256, 4), (32, 512, 3))]
+            # Split K over 1-4 programs a tile, at 64 and 32 weight rows a program: more programs for the
+            # matrices of few output rows (the 1B's, the 8B's QKV, O and down fill 32-96 of 64 rows).
+            tiles += [fp8_matmul.RowsTile(min(64, max(16, rows)), bn, bk, 4, stages, split)
+                      for bn, bk, stages in ((64, 256, 4), (64, 128, 6), (32, 256, 4)) for split in (1, 2, 4)]
         for kernel, function in (("scaled_mm", fp8_matmul.scaled_mm), ("w8a16", fp8_matmul.w8a16_matmul)):
             for tile in tiles:
-                chosen = tile or fp8_matmul.rows_tile(rows, out_features, in_features)
+                chosen = tile or fp8_matmul.rows_tile(rows, out_features, in_features,
+                                                    fp8_matmul.multiprocessors(x.device))
                 try:
                     ms = time_per_call(lambda: [lambda c=c, s=s: function(x, c, s, tile=tile)
                                                 for c, s in fp8_copies], copies)

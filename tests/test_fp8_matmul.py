@@ -80,6 +80,8 @@ def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
     (1, 48, 80, None), (3, 40, 300, None), (17, 32, 64, None),
     (20, 50, 70, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # several row and column tiles, partial K slices
     (20, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # tiles dividing both widths: unmasked weight loads
+    (20, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K: 8 slices in splits of 3, 3, 2
+    (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)),  # 3 slices: 3 splits of one, unmasked
 ])
 def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bias, dtype):
     """Codes widened exactly, float32 sums, scaled per column, one rounding: against the float64
@@ -88,10 +90,30 @@ def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bia
 
 
 def test_rows_tiles_pad_rows_to_16_and_take_at_most_64():
-    assert fp8_matmul.rows_tile(1, 4096, 14336) == fp8_matmul.RowsTile(16, 64, 256, 4, 4)
-    assert fp8_matmul.rows_tile(33, 4096, 14336).block_m == 64
-    assert fp8_matmul.rows_tile(300, 4096, 14336).block_m == 64
-    assert fp8_matmul.rows_tile(8, 48, 80).block_k == 128  # K slices no longer than the row (at least 32)
+    assert fp8_matmul.rows_tile(1, 28672, 4096, 132) == fp8_matmul.RowsTile(16, 64, 256, 4, 4)
+    assert fp8_matmul.rows_tile(33, 4096, 14336, 132).block_m == 64
+    assert fp8_matmul.rows_tile(300, 4096, 14336, 132).block_m == 64
+    assert fp8_matmul.rows_tile(8, 48, 80, 132).block_k == 128  # K slices no longer than the row (at least 32)
+
+
+def test_rows_tiles_split_k_where_programs_would_leave_multiprocessors_idle():
+    """About two programs an SM with 16-token tiles, one with larger ones: on an H200 (132 SMs) at 8 rows
+    the 8B's QKV (96 tiles of 64 rows) splits 2 ways, O and down (64 tiles) 4 ways, gate/up (448) not at
+    all; at 64 rows the 1B's QKV (48 tiles) 2 ways, O and down (32) 4; a short row keeps two K slices a
+    split; more tiles, fewer splits. W8A16 is the faster kernel where K splits 4 ways."""
+    def split(rows, out_features, in_features, sms=132):
+        return fp8_matmul.rows_tile(rows, out_features, in_features, sms).split_k
+
+    assert [split(8, n, k) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [2, 4, 1, 4]
+    assert [split(64, n, k) for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))] == [2, 4, 1, 4]
+    assert [fp8_matmul.w8a16_is_faster(8, n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096),
+                                                                   (4096, 14336), (3072, 2048))] == [
+        False, True, False, True, True]
+    assert not fp8_matmul.w8a16_is_faster(64, 4096, 4096, 132)  # 64 tokens a tile: 2 splits
+    assert split(8, 960, 576) == 1 and split(8, 960, 1024) == 2  # 576 codes: three 256-code slices
+    assert split(8, 64, 4096, sms=4) == 4 and split(8, 512, 4096, sms=4) == 1
+    with pytest.raises(ValueError, match="split_k must be 1 to 4"):
+        fp8_matmul.RowsTile(16, 64, 256, 4, 4, split_k=5)
 
 
 #: The sums' error allowed relative to the terms: Hopper's FP8 tensor cores accumulate in fewer bits than
@@ -130,11 +152,31 @@ def check_scaled_mm(rows, out_features, in_features, bias, tile=None):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows,out_features,in_features,tile", [
-    (1, 48, 80, None), (5, 32, 304, None), (20, 48, 64, fp8_matmul.RowsTile(16, 16, 32, 4, 2))])
+    (1, 48, 80, None), (5, 32, 304, None), (20, 48, 64, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),
+    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4))])  # split K, partial last slice
 def test_scaled_mm_rows_kernel_against_float64(rows, out_features, in_features, tile, bias):
     """Up to TRITON_MAX_ROWS rows scaled_mm is the quantisation launch and the Triton kernel (on the CPU
     in the interpreter, float32 products): odd row counts, partial K slices, several tiles."""
     check_scaled_mm(rows, out_features, in_features, bias, tile)
+
+
+def test_split_k_sums_the_same_whichever_split_finishes_last_and_leaves_its_counts_at_zero(monkeypatch):
+    """The last split adds every split's partial sums in split order: a split launch gives the same bits
+    again, its arrival counts are back at zero for the next launch (a graph replays it as is), and a
+    launch larger than the fixed scratch is refused by name."""
+    codes, scale = quantize_per_channel(torch.randn(96, 320, device=DEVICE))
+    x = _rows(5, 320, torch.bfloat16, seed=11)
+    tile = fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)
+    first = fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
+    _, arrivals = fp8_matmul._split_workspace(x.device, 0, 0)
+    assert int(arrivals.abs().sum()) == 0
+    again = fp8_matmul.scaled_mm(x, codes, scale, tile=tile), fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
+    assert torch.equal(again[1], first) and int(arrivals.abs().sum()) == 0
+    unsplit = fp8_matmul.w8a16_matmul(x, codes, scale, tile=fp8_matmul.RowsTile(16, 32, 32, 4, 2))
+    assert (unsplit.float() - first.float()).abs().max() <= 2**-7 * unsplit.float().abs().max()
+    monkeypatch.setattr(fp8_matmul, "PARTIAL_CAPACITY", 1000)
+    with pytest.raises(ValueError, match="split-K launch of 3 tiles and 6144 partial sums exceeds"):
+        fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
 
 
 def test_bad_operands_are_refused():

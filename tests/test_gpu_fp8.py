@@ -90,3 +90,29 @@ def test_an_fp8_checkpoint_loaded_by_graphrt_and_by_transformers_on_the_gpu(tmp_
     assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()
     chosen = theirs.gather(1, torch.tensor(tokens, device=theirs.device)[:, None])[:, 0]
     assert (theirs.max(dim=-1).values - chosen).max() < 0.1 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(4096, 4096), (28672, 4096), (2048, 8192)])
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 17, 64])
+def test_fp8_linear_takes_the_kernel_the_policy_names(monkeypatch, rows, out_features, in_features):
+    """One token and, up to w8a16_max_tokens (16), the weights fp8_matmul.w8a16_is_faster names run the
+    W8A16 kernel; the others FP8 tensor cores. Both give the dequantised product (bf16 rounding,
+    activation quantisation)."""
+    from graphrt.kernels import fp8_matmul
+    from graphrt.models.kernel_policy import GEMV_THRESHOLDS
+
+    layer = Fp8Linear(in_features, out_features, bias=False, dtype=torch.bfloat16, device="cuda",
+                      tensor_cores=True, w8a16_max_tokens=GEMV_THRESHOLDS.w8a16_max_tokens)
+    layer.quantize_rows_from(0, torch.randn(out_features, in_features, device="cuda") * 0.02)
+    taken = []
+    for name in ("scaled_mm", "w8a16_matmul"):
+        original = getattr(fp8_matmul, name)
+        monkeypatch.setattr(fp8_matmul, name, lambda *a, _f=original, _n=name, **k: taken.append(_n) or _f(*a, **k))
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    got = layer(x)
+    sms = fp8_matmul.multiprocessors(x.device)
+    w8a16 = rows == 1 or (rows <= 16 and fp8_matmul.w8a16_is_faster(rows, out_features, in_features, sms))
+    assert taken == ["w8a16_matmul" if w8a16 else "scaled_mm"]
+    expected = x.double() @ layer.dequantized_weight(torch.float32).double().T
+    assert (got.double() - expected).abs().max() <= 2**-4 * (x.double().abs() @ layer.dequantized_weight(
+        torch.float32).double().abs().T).max()

@@ -22,6 +22,7 @@ policy's (``graphrt.models.kernel_policy``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -139,17 +140,21 @@ def _weight_rows_kernel(
     w_scale_ptr,  # [N] float32
     bias_ptr,  # [N] (unused without HAS_BIAS)
     out_ptr,  # [M, N]
+    partials_ptr,  # [SPLIT_K, tiles, BLOCK_N, BLOCK_M] float32 (unused when SPLIT_K == 1)
+    arrivals_ptr,  # [tiles] int32, zero on entry (unused when SPLIT_K == 1)
     M,
     N,
     K,
     stride_x,
     stride_w,
     stride_out,
+    slices_per_split,  # BLOCK_K slices of K each split takes (the last may take fewer)
     X_CODES: tl.constexpr,  # x is E4M3 codes: FP8 x FP8 products; else W8A16 (codes widened to float16)
     HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr,  # products in float32 (float32 activations). Triton's CPU interpreter runs the
     # float16 and FP8 products exactly in float32, so CPU tests take the GPU's branches.
     EVEN: tl.constexpr,  # BLOCK_N divides N and BLOCK_K divides K: the weight loads need no mask
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each summing its own range of K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -163,8 +168,10 @@ def _weight_rows_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
     row_ok, col_ok = rows < M, cols < N
+    k_begin = tl.program_id(2) * slices_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_begin, k_end, BLOCK_K):
         if EVEN:
             w = tl.load(w_ptrs + k)
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
@@ -182,6 +189,35 @@ def _weight_rows_kernel(
             # (to bfloat16 in three); the activations are clamped to float16's largest value.
             x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             acc += tl.dot(w.to(tl.float16), tl.trans(x16))
+    if SPLIT_K == 1:
+        _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
+                         dtype, X_CODES, HAS_BIAS)
+    else:
+        # Each split leaves its partial sums and counts itself in; the last to arrive adds all of them in
+        # split order (the same sum whichever arrives last), writes the tile and resets the count for the
+        # next launch. One thread performs the scalar atomic: the barrier orders every thread's partial
+        # stores before its release; its acquire orders the loads below after the other splits' stores.
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_stride = tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M
+        tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
+        tl.store(tile_base + tl.program_id(2).to(tl.int64) * tile_stride, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(tile_base + split * tile_stride, cache_modifier=".cg")
+            _store_rows_tile(total, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                             stride_out, dtype, X_CODES, HAS_BIAS)
+
+
+@triton.jit
+def _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
+                     dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Scales a tile's float32 sums ``acc`` [BLOCK_N weight rows, BLOCK_M tokens] per weight row (and per
+    token with X_CODES), adds the bias, rounds once to ``dtype`` and stores it transposed into ``out``."""
     acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
     if X_CODES:
         acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
@@ -194,22 +230,93 @@ def _weight_rows_kernel(
 @dataclass(frozen=True)
 class RowsTile:
     """One ``_weight_rows_kernel`` launch's tiling: tokens, weight rows and K codes a program's slice,
-    warps, and the slices Triton prefetches."""
+    warps, the slices Triton prefetches, and the programs that share each output tile (split-K: each
+    sums its own range of K; the last to finish adds the partial sums)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"split_k must be 1 to {MAX_SPLIT_K}, got {self.split_k}")
 
 
-def rows_tile(rows: int, out_features: int, in_features: int) -> RowsTile:
+#: Most programs one output tile is split over, and the fewest K slices each split keeps.
+MAX_SPLIT_K = 4
+MIN_SLICES_PER_SPLIT = 2
+#: Programs a launch is split up to, per multiprocessor, with 16-token tiles (two fit an SM's shared
+#: memory); one with larger token tiles (more splits measured slower there). The matrices with few output
+#: rows (the 8B's QKV, O and down at 64-96 tiles, the 1B's at 32-48) otherwise leave most multiprocessors
+#: of a large GPU idle (profiles/notes_fp8.md).
+SPLIT_PROGRAMS_PER_SM = 2
+#: Multiprocessors assumed off CUDA (the interpreter): a small stand-in machine.
+_STAND_IN_MULTIPROCESSORS = 4
+
+
+@functools.cache
+def _cuda_multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (``_STAND_IN_MULTIPROCESSORS`` off CUDA)."""
+    if device.type != "cuda":
+        return _STAND_IN_MULTIPROCESSORS
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int) -> RowsTile:
     """The tile for ``rows`` tokens: up to 64 of them a program (padded to 16, the tensor cores'
     smallest multiple), 64 weight rows, K slices of 256 codes prefetched four deep, 4 warps: over the
-    Llama-3-8B and 1B matrices at 8 and 64 rows the fastest of the tiles timed (profiles/notes_fp8.md)."""
+    Llama-3-8B and 1B matrices at 8 and 64 rows the fastest of the tiles timed (profiles/notes_fp8.md).
+    Where those programs number fewer than ``SPLIT_PROGRAMS_PER_SM`` an SM (one with more than 16 tokens
+    a tile), K is split to come closer (at most ``MAX_SPLIT_K`` ways, each split keeping
+    ``MIN_SLICES_PER_SPLIT`` slices). Host values only: safe before capture."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_k = min(256, max(32, triton.next_power_of_2(in_features)))
-    return RowsTile(block_m, 64, block_k, num_warps=4, num_stages=4)
+    block_n = 64
+    tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
+    wanted = (SPLIT_PROGRAMS_PER_SM if block_m == 16 else 1) * multiprocessors // tiles
+    split_k = max(1, min(MAX_SPLIT_K, wanted, triton.cdiv(in_features, block_k) // MIN_SLICES_PER_SPLIT))
+    return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
+
+
+def w8a16_is_faster(rows: int, out_features: int, in_features: int, multiprocessors: int) -> bool:
+    """Whether ``rows`` tokens (2-16: ``kernel_policy.GemvThresholds.w8a16_max_tokens``) through this
+    weight run faster on the W8A16 kernel than on FP8 tensor cores: where ``rows_tile`` splits K the most
+    ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far more than the FP8 x
+    FP8 one, which also pays a quantisation launch; where K is split less or not at all the FP8 kernel
+    was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows, profiles/notes_fp8.md)."""
+    return rows_tile(rows, out_features, in_features, multiprocessors).split_k == MAX_SPLIT_K
+
+
+#: Split-K scratch per device: float32 partial sums and int32 arrival counts (zero between launches:
+#: the last split of each tile resets its count). Fixed sizes, allocated on a device's first split launch
+#: and never freed or moved, so captured graphs keep valid addresses; ``rows_tile``'s splits need at most
+#: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64.
+PARTIAL_CAPACITY = 1 << 22
+ARRIVAL_CAPACITY = 1 << 13
+_split_scratch: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials [PARTIAL_CAPACITY] float32, arrivals [ARRIVAL_CAPACITY] int32) of ``device``."""
+    if partials > PARTIAL_CAPACITY or tiles > ARRIVAL_CAPACITY:
+        raise ValueError(f"a split-K launch of {tiles} tiles and {partials} partial sums exceeds the scratch "
+                         f"({ARRIVAL_CAPACITY} tiles, {PARTIAL_CAPACITY} sums): use fewer splits or larger tiles")
+    key = (device.type, device.index if device.index is not None or device.type != "cuda"
+           else torch.cuda.current_device())
+    if key not in _split_scratch:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K scratch is allocated on a device's first split launch, which must "
+                               "run outside CUDA-graph capture: run the product once before capturing")
+        _split_scratch[key] = (torch.empty(PARTIAL_CAPACITY, dtype=torch.float32, device=device),
+                               torch.zeros(ARRIVAL_CAPACITY, dtype=torch.int32, device=device))
+    return _split_scratch[key]
 
 
 def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -221,15 +328,23 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     out = torch.empty((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
-    tile = tile or rows_tile(rows, *weight.shape)
+    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device))
     even = weight.shape[0] % tile.block_n == 0 and width % tile.block_k == 0
     dot_f32 = out_dtype == torch.float32
-    grid = (triton.cdiv(weight.shape[0], tile.block_n), triton.cdiv(rows, tile.block_m))
-    _weight_rows_kernel[grid](x, weight_scale if x_scale is None else x_scale, weight, weight_scale,
-                              weight if bias is None else bias, out, rows, weight.shape[0], width, x.stride(0),
-                              weight.stride(0), out.stride(0), X_CODES=x_scale is not None, HAS_BIAS=bias is not None,
-                              DOT_F32=dot_f32, EVEN=even, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                              BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    col_tiles, row_tiles = triton.cdiv(weight.shape[0], tile.block_n), triton.cdiv(rows, tile.block_m)
+    slices = triton.cdiv(width, tile.block_k)
+    slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
+    split_k = triton.cdiv(slices, slices_per_split)  # every split has at least one slice
+    partials = arrivals = out  # not touched without a split
+    if split_k > 1:
+        partials, arrivals = _split_workspace(x.device, split_k * col_tiles * row_tiles * tile.block_n * tile.block_m,
+                                              col_tiles * row_tiles)
+    _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
+        x, weight_scale if x_scale is None else x_scale, weight, weight_scale, weight if bias is None else bias, out,
+        partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
+        slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
+        SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 

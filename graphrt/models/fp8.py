@@ -9,10 +9,11 @@ weight of normal range comes back within 2**-4 of itself (relative), and one und
 within ``2**-10 * scale`` (absolute: the subnormal step's half).
 
 ``Fp8Linear``'s paths are fixed when it is built: one-token decode layers call the GEMV kernels with
-its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward runs up to
-``w8a16_max_tokens`` tokens on the W8A16 tensor-core kernel and more on FP8 tensor cores with
-per-token activation scales (``graphrt.kernels.fp8_matmul``: CUDA, row scales), or dequantises and runs one matmul in the
-activations' dtype (the reference path: CPU, block scales).
+its codes and row scales directly (W8A16; ``graphrt.models.llama``); its own forward runs FP8
+tensor cores with per-token activation scales, or the W8A16 tensor-core kernel for one token and for up
+to ``w8a16_max_tokens`` tokens where that kernel is the faster (``graphrt.kernels.fp8_matmul``: CUDA,
+row scales), or dequantises and runs one matmul in the activations' dtype (the reference path: CPU,
+block scales).
 """
 
 from __future__ import annotations
@@ -141,11 +142,12 @@ class Fp8Linear(nn.Module):
     ceil(in / scale_columns)]) as buffers; bias [out] in the model dtype or None.
 
     On CUDA with row scales, forwards run the Triton kernels of ``graphrt.kernels.fp8_matmul``: with
-    ``tensor_cores`` (sm_89+, widths of 16s) forwards of more than ``w8a16_max_tokens`` tokens FP8
-    tensor cores with per-token activation scales (``scaled_mm``), the others the W8A16 kernel
-    (``w8a16_matmul``); anything else (CPU, block scales) the reference path: the dequantised weight
-    computed in float32, rounded to x's dtype once, one matmul. (One token is usually the GEMV
-    kernels', which the decoder layer calls itself.)
+    ``tensor_cores`` (sm_89+, widths of 16s) FP8 tensor cores with per-token activation scales
+    (``scaled_mm``), except one token and, up to ``w8a16_max_tokens`` tokens, the weights on which
+    the W8A16 kernel is faster (``fp8_matmul.w8a16_is_faster``): those, and every forward without
+    ``tensor_cores``, run the W8A16 kernel (``w8a16_matmul``); anything else (CPU, block scales) the
+    reference path: the dequantised weight computed in float32, rounded to x's dtype once, one matmul.
+    (One token is usually the GEMV kernels', which the decoder layer calls itself.)
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None,
@@ -185,7 +187,10 @@ class Fp8Linear(nn.Module):
         """x: [T, in] -> [T, out] in x's dtype."""
         if x.is_cuda and self.scale_columns is None:
             kernels = _fp8_matmul()
-            if self.tensor_cores and x.shape[0] > self.w8a16_max_tokens:
+            if self.tensor_cores and x.shape[0] > 1 and not (
+                    x.shape[0] <= self.w8a16_max_tokens
+                    and kernels.w8a16_is_faster(x.shape[0], self.out_features, self.in_features,
+                                                kernels.multiprocessors(x.device))):
                 return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias)
             return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias)
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
@@ -195,8 +200,8 @@ class Fp8Linear(nn.Module):
         if self.scale_columns is not None:
             path = "dequantise + matmul"
         elif self.tensor_cores:
-            path = (f"on CUDA w8a16 up to {self.w8a16_max_tokens} tokens, then " if self.w8a16_max_tokens
-                    else "on CUDA ") + "fp8 tensor cores"
+            path = (f"on CUDA w8a16 for 1 token (up to {self.w8a16_max_tokens} where faster), else "
+                    "fp8 tensor cores")
         else:
             path = "on CUDA w8a16"
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 scales {scales}, {path}"

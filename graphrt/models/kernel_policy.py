@@ -35,13 +35,13 @@ class GemvThresholds:
     max_dependent_layer_bytes: int
     #: The machine, dtype and workload the bounds were measured on, and the notes that hold the figures.
     measured_on: str
-    #: FP8 weights on a GPU with FP8 tensor cores: forwards of at most this many tokens run the W8A16
-    #: kernel, larger ones FP8 tensor cores with per-token activation scales. 1: one token keeps the
-    #: numerics of the GEMV kernels (activations not quantised) where those do not run (unfused
-    #: models, the 8B launched plainly); above it the FP8 tensor-core kernel, its quantisation launch
-    #: included, took 0.85-0.88x the W8A16 kernel's time at 2-16 rows of the Llama-3-8B and 1B layers
-    #: and 0.38-0.41x at 64 (profiles/notes_fp8.md).
-    w8a16_max_tokens: int = 1
+    #: FP8 weights on a GPU with FP8 tensor cores: forwards of one token run the W8A16 kernel (keeping
+    #: the GEMV kernels' numerics, activations not quantised, where those do not run: unfused models,
+    #: the 8B launched plainly), and so do forwards of up to this many tokens through the weights whose
+    #: K the rows kernel splits the most ways (``fp8_matmul.w8a16_is_faster``: there it took 0.63-0.91x
+    #: the FP8 tensor-core kernel's time at 2-16 rows of the Llama-3-8B and 1B layers); the rest run FP8
+    #: tensor cores with per-token activation scales (profiles/notes_fp8.md).
+    w8a16_max_tokens: int = 16
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -83,8 +83,9 @@ class KernelPolicy:
     FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
     GEMV kernels read FP8 codes with row scales (W8A16); on CUDA the other forwards with row scales run
-    FP8 tensor cores with per-token activation scales (``fp8_tensor_cores``: sm_89+) above
-    ``w8a16_max_tokens`` tokens, the W8A16 tensor-core kernel otherwise (``graphrt.models.fp8.Fp8Linear``);
+    FP8 tensor cores with per-token activation scales (``fp8_tensor_cores``: sm_89+), or the W8A16
+    tensor-core kernel for one token and up to ``w8a16_max_tokens`` where it is faster
+    (``graphrt.models.fp8.Fp8Linear``);
     block scales and the CPU dequantise and run one matmul.
     """
 
