@@ -10,11 +10,13 @@
 #   bench-1b, bench-smollm2, bench-8b  graphrt bench, fused with the unfused path beside (notes_fusion.md)
 #   bench-headline                     graphrt bench of the 1B at batch 1, 64, 256 (the README's figures)
 #   fp8-smoke, bench-fp8               FP8 weights / KV cache: a generate each, then bf16 against FP8 (notes_fp8.md)
+#   bench-fp8-b64                      FP8 weights at batch 64 only (1B, 8B; the FP8 cache at 4096)
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
-#   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles at 8 and 64 rows
+#   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
+#   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -66,15 +68,24 @@ for stage in $stages; do
       graphrt bench --model random:llama-3-8b --batch-sizes 64 --contexts 4096 --steps 50 --quantization fp8 \
         --kv-cache-dtype fp8 --json "$OUT/bench_fp8_llama-3-8b_fp8_kvfp8_$TAG.json" || status=1
       ;;
+    bench-fp8-b64)
+      # FP8 weights at batch 64 only (the rows kernel's 64-token tiles), the FP8 cache beside at 4096.
+      for spec in "llama-3-8b 512,4096 auto" "llama-3-8b 4096 fp8" "llama-3.2-1b 512 auto"; do
+        set -- $spec
+        log "graphrt bench $1, FP8 weights, cache $3, batch 64, contexts $2"
+        graphrt bench --model "random:$1" --batch-sizes 64 --contexts "$2" --steps 50 --quantization fp8 \
+          --kv-cache-dtype "$3" --json "$OUT/bench_fp8_b64_$1_fp8$([ "$3" = fp8 ] && echo _kvfp8)_$TAG.json" || status=1
+      done
+      ;;
     fp8-linear)
       log "bench_fp8_linear.py: 1B and 8B matrices, 1-64 rows"
       python profiles/bench_fp8_linear.py --rows 1 2 4 8 16 64 --json "$OUT/fp8_linear_$TAG.json" \
         | tee "$OUT/fp8_linear_$TAG.txt" || status=1
       ;;
     fp8-rows-sweep)
-      log "bench_fp8_linear.py --sweep rows: tiles of the 2-64-row kernel at 8 and 64 rows"
-      python profiles/bench_fp8_linear.py --rows 8 64 --sweep rows --json "$OUT/fp8_rows_sweep_$TAG.json" \
-        | tee "$OUT/fp8_rows_sweep_$TAG.txt" || status=1
+      log "bench_fp8_linear.py --sweep rows: the default kernels at 1-64 rows, tiles and split-K at 8 and 64"
+      python profiles/bench_fp8_linear.py --rows 1 2 8 16 64 --sweep rows --json "$OUT/fp8_rows_split_$TAG.json" \
+        | tee "$OUT/fp8_rows_split_$TAG.txt" || status=1
       ;;
     bench-headline)
       log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"
@@ -100,6 +111,10 @@ for stage in $stages; do
     paged-decode)
       log "paged decode attention against the HBM read bandwidth"
       python profiles/bench_paged_decode.py --json "$OUT/paged_decode_$TAG.json" || status=1
+      ;;
+    paged-decode-fp8)
+      log "fp8-cache paged decode: tiles, warps, stages and splits at batch 32 / 2048 and 64 / 4096"
+      python profiles/bench_paged_decode_fp8.py --json "$OUT/paged_decode_fp8_tiles_$TAG.json" || status=1
       ;;
     sampling)
       log "the samplers alone (float32 logits, as the LM head writes them)"

@@ -92,6 +92,9 @@ def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bia
 def test_rows_tiles_pad_rows_to_16_and_take_at_most_64():
     assert fp8_matmul.rows_tile(1, 28672, 4096, 132) == fp8_matmul.RowsTile(16, 64, 256, 4, 4)
     assert fp8_matmul.rows_tile(33, 4096, 14336, 132).block_m == 64
+    # Unsplit 64-token tiles: 128-code slices six deep.
+    assert fp8_matmul.rows_tile(64, 28672, 4096, 132) == fp8_matmul.RowsTile(64, 64, 128, 4, 6)
+    assert fp8_matmul.rows_tile(64, 4096, 4096, 132) == fp8_matmul.RowsTile(64, 64, 256, 4, 4, split_k=2)
     assert fp8_matmul.rows_tile(300, 4096, 14336, 132).block_m == 64
     assert fp8_matmul.rows_tile(8, 48, 80, 132).block_k == 128  # K slices no longer than the row (at least 32)
 

@@ -271,8 +271,9 @@ def multiprocessors(device: torch.device) -> int:
 
 def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int) -> RowsTile:
     """The tile for ``rows`` tokens: up to 64 of them a program (padded to 16, the tensor cores'
-    smallest multiple), 64 weight rows, K slices of 256 codes prefetched four deep, 4 warps: over the
-    Llama-3-8B and 1B matrices at 8 and 64 rows the fastest of the tiles timed (profiles/notes_fp8.md).
+    smallest multiple), 64 weight rows, K slices of 256 codes prefetched four deep (128 six deep for
+    unsplit 64-token tiles), 4 warps: over the Llama-3-8B and 1B matrices at 8 and 64 rows the fastest
+    of the tiles timed (profiles/notes_fp8.md).
     Where those programs number fewer than ``SPLIT_PROGRAMS_PER_SM`` an SM (one with more than 16 tokens
     a tile), K is split to come closer (at most ``MAX_SPLIT_K`` ways, each split keeping
     ``MIN_SLICES_PER_SPLIT`` slices). Host values only: safe before capture."""
@@ -282,6 +283,9 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
     tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
     wanted = (SPLIT_PROGRAMS_PER_SM if block_m == 16 else 1) * multiprocessors // tiles
     split_k = max(1, min(MAX_SPLIT_K, wanted, triton.cdiv(in_features, block_k) // MIN_SLICES_PER_SPLIT))
+    if block_m == 64 and split_k == 1 and block_k > 128:
+        # Unsplit 64-token tiles (the many-tile matrices: gate/up) ran faster on 128-code slices six deep.
+        return RowsTile(block_m, block_n, 128, num_warps=4, num_stages=6)
     return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
 
 
