@@ -76,11 +76,19 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Compile-time tile shape of the split kernel."""
+    """Compile-time tile shape of the split kernel. ``block_ids_ahead``: each tile's block ids are loaded
+    one tile ahead, so its K/V addresses do not wait on a load of the same iteration and Triton keeps
+    ``num_stages - 1`` K/V tiles in flight in shared memory (one otherwise)."""
 
     block_n: int  # tokens per K/V tile
     num_warps: int
     num_stages: int
+    block_ids_ahead: bool = False
+
+    @property
+    def kv_buffers(self) -> int:
+        """K/V tiles a program holds in shared memory."""
+        return max(1, self.num_stages - 1) if self.block_ids_ahead else 1
 
 
 @lru_cache(maxsize=None)
@@ -101,17 +109,19 @@ def _bytes_per_token(head_size: int, cache_element_size: int) -> int:
     return 2 * triton.next_power_of_2(head_size) * cache_element_size  # K and V rows, padded
 
 
-def _program_shared_memory(block_n: int, head_size: int, cache_element_size: int) -> int:
-    """Shared memory one split-kernel program takes with ``block_n``-token K/V tiles."""
-    return block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
+def _program_shared_memory(block_n: int, head_size: int, cache_element_size: int, buffers: int = 1) -> int:
+    """Shared memory one split-kernel program takes with ``buffers`` ``block_n``-token K/V tiles."""
+    return buffers * block_n * _bytes_per_token(head_size, cache_element_size) + _SMEM_OVERHEAD
 
 
-#: fp8 caches at head size 128 (padded): 64-token tiles of 2 warps, 3 stages. The fp8 kernel is
-#: register-bound (the codes and their fp16 widening both live in registers), so smaller programs,
-#: more of them an SM, keep more bytes in flight: the fastest of 24 tiles x 3 split counts at batch 32,
-#: context 2,048 and batch 64, context 4,096 (profiles/notes_paged_decode.md). Other head sizes keep the
-#: general rule (not measured).
-_FP8_TILES = {128: DecodeConfig(block_n=64, num_warps=2, num_stages=3)}
+#: fp8 caches at head size 128 (padded): 64-token tiles of 2 warps, 3 stages, block ids a tile ahead.
+#: The fp8 kernel is register-bound (the codes and their fp16 widening both live in registers), so
+#: smaller programs, more of them an SM, keep more bytes in flight, and with the block ids loaded ahead
+#: Triton keeps two K/V tiles a program in shared memory: the fastest of the tiles, warps, stages and
+#: split counts timed at batch 32, context 2,048 and batch 64, context 4,096 (profiles/notes_paged_decode.md;
+#: 16-bit caches gained nothing from the ids ahead there). Other head sizes keep the general rule (not
+#: measured).
+_FP8_TILES = {128: DecodeConfig(block_n=64, num_warps=2, num_stages=3, block_ids_ahead=True)}
 
 
 def default_config(head_size: int, cache_element_size: int, device: torch.device | None = None) -> DecodeConfig:
@@ -132,7 +142,7 @@ def resident_programs(config: DecodeConfig, head_size: int, cache_element_size: 
                       device: torch.device | None = None) -> int:
     """Split-kernel programs the whole device runs at once, estimated from shared memory and registers."""
     sms, smem = _device_limits(device)
-    per_program = _program_shared_memory(config.block_n, head_size, cache_element_size)
+    per_program = _program_shared_memory(config.block_n, head_size, cache_element_size, config.kv_buffers)
     by_registers = _MAX_PROGRAMS_PER_SM.get(cache_element_size, 3)
     if head_size <= 64:
         by_registers = _MAX_PROGRAMS_PER_SM_SMALL_HEADS.get(cache_element_size, by_registers)
@@ -317,6 +327,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,  # CPU interpreter only: its bf16 products are wrong, so run them in fp32
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
+    BLOCK_IDS_AHEAD: tl.constexpr,  # DecodeConfig.block_ids_ahead
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     wait_for_previous_kernel(PDL)
@@ -365,11 +376,18 @@ def _decode_split_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kv_ptr + kv_head * HEAD_SIZE
     offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_IDS_AHEAD:
+        block = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         pos_ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        token = block * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+        if BLOCK_IDS_AHEAD:
+            # This tile's ids came from the previous iteration: Triton multi-buffers the K/V loads.
+            token = block.to(tl.int64) * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+            block = tl.load(table + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
+        else:
+            block_ids = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            token = block_ids * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
         kv_off = token[:, None] + dims[None, :]
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
@@ -654,6 +672,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         FP8_DOT_F16=fp8_dot_f16 and kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32,
+        BLOCK_IDS_AHEAD=cfg.block_ids_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(dependent_launch),

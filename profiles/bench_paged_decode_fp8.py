@@ -31,6 +31,16 @@ TILES = [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s i
 SPLITS = (1, 2, 4)
 
 
+def parse_tile(text: str) -> DecodeConfig:
+    """``TOKENSxWARPSxSTAGES``, with a trailing ``a`` for block ids loaded a tile ahead: ``64x2x3a``."""
+    ahead = text.endswith("a")
+    try:
+        tokens, warps, stages = (int(part) for part in text.removesuffix("a").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tile {text!r} is not TOKENSxWARPSxSTAGES[a], e.g. 64x2x3a") from None
+    return DecodeConfig(tokens, warps, stages, block_ids_ahead=ahead)
+
+
 def compiled_kernels() -> dict:
     """Every compiled variant of the decode kernel so far, by identity: warps, stages, registers, spills."""
     return {k.pop("key"): k for k in compiled_kernel_resources()}
@@ -39,6 +49,11 @@ def compiled_kernels() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--tiles", type=parse_tile, nargs="*", default=TILES,
+                        help="TOKENSxWARPSxSTAGES[a] (a: block ids a tile ahead); default: 24 tiles")
+    parser.add_argument("--splits", type=int, nargs="*", default=list(SPLITS))
+    parser.add_argument("--bf16-tiles", type=parse_tile, nargs="*", default=[],
+                        help="also time these tiles with a bf16 cache (its default is always timed)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -53,13 +68,19 @@ def main() -> None:
         r = bench_ours(bf16, batch, context, workspace, rep_ms=60)
         rows.append({"cache": "bf16", "default": True, **r})
         print(f"bf16 default B={batch} ctx={context}: {r['ms'] * 1e3:.1f} us {r['tb_per_s']:.2f} TB/s", flush=True)
+        for cfg in args.bf16_tiles:
+            for splits in args.splits:
+                r = bench_ours(bf16, batch, context, workspace, num_splits=splits, config=cfg, rep_ms=40)
+                rows.append({"cache": "bf16", "default": False, **r})
+                print(f"bf16 B={batch} ctx={context} {cfg} splits {splits}: {r['ms'] * 1e3:.1f} us "
+                      f"{r['tb_per_s']:.2f} TB/s", flush=True)
     del bf16
     torch.cuda.empty_cache()
     fp8 = Pool(max_tokens, 16, device, torch.float8_e4m3fn)
     default = default_config(HEAD_SIZE, 1, device)
     for batch, context in POINTS:
-        for cfg in TILES:
-            for splits in SPLITS:
+        for cfg in args.tiles:
+            for splits in args.splits:
                 seen = compiled_kernels()
                 try:
                     r = bench_ours(fp8, batch, context, workspace, num_splits=splits, config=cfg, k_scale=0.5,
@@ -76,7 +97,8 @@ def main() -> None:
                 shown = f"{r['ms'] * 1e3:7.1f} us {r['tb_per_s']:.2f} TB/s ({r['fraction_of_hbm']:.0%})" \
                     if "ms" in r else r["error"][:80]
                 print(f"fp8 B={batch} ctx={context} tile {cfg.block_n:3d} warps {cfg.num_warps} stages "
-                      f"{cfg.num_stages} splits {splits}: {shown} {regs}", flush=True)
+                      f"{cfg.num_stages}{' ids ahead' if cfg.block_ids_ahead else ''} splits {splits}: {shown} {regs}",
+                      flush=True)
     best = {}
     for r in rows:
         if r["cache"] == "fp8" and "ms" in r:
@@ -86,7 +108,7 @@ def main() -> None:
     for (batch, context), r in sorted(best.items()):
         c = r["config"]
         print(f"best fp8 B={batch} ctx={context}: tile {c['block_n']} warps {c['num_warps']} stages "
-              f"{c['num_stages']} splits {r['splits']}: {r['ms'] * 1e3:.1f} us {r['tb_per_s']:.2f} TB/s "
+              f"{c['num_stages']} ids ahead {c.get('block_ids_ahead', False)} splits {r['splits']}: {r['ms'] * 1e3:.1f} us {r['tb_per_s']:.2f} TB/s "
               f"({r['fraction_of_hbm']:.0%} of HBM read)")
     if args.json:
         with open(args.json, "w") as f:

@@ -17,6 +17,8 @@
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
 #   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
+#   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
+#   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -111,6 +113,19 @@ for stage in $stages; do
     paged-decode)
       log "paged decode attention against the HBM read bandwidth"
       python profiles/bench_paged_decode.py --json "$OUT/paged_decode_$TAG.json" || status=1
+      ;;
+    paged-decode-fp8-ahead)
+      log "fp8-cache paged decode with block ids a tile ahead, beside today's tile (and bf16 tiles with them)"
+      python profiles/bench_paged_decode_fp8.py --tiles 64x2x3 64x2x3a 64x2x4a 128x4x3a 128x4x4a 32x4x4a 64x4x3a \
+        --splits 1 2 --bf16-tiles 128x4x3a 64x4x3a 64x4x4a --json "$OUT/paged_decode_fp8_ahead_$TAG.json" || status=1
+      ;;
+    bench-fp8-kv)
+      log "graphrt bench llama-3-8b, FP8 weights, bf16 cache then FP8 cache, batch 64, context 4096"
+      for cache in auto fp8; do
+        graphrt bench --model random:llama-3-8b --batch-sizes 64 --contexts 4096 --steps 30 --quantization fp8 \
+          --kv-cache-dtype "$cache" \
+          --json "$OUT/bench_fp8_kv_llama-3-8b_fp8$([ "$cache" = fp8 ] && echo _kvfp8)_$TAG.json" || status=1
+      done
       ;;
     paged-decode-fp8)
       log "fp8-cache paged decode: tiles, warps, stages and splits at batch 32 / 2048 and 64 / 4096"

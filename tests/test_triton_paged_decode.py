@@ -60,6 +60,7 @@ class Case:
     num_splits: int | None = None  # None: the host heuristic
     max_seq_len: int | None = None  # captured maximum; None: max(seq_lens)
     block_n: int | None = None  # K/V tile length; None: the default (16: several live splits at short lengths)
+    block_ids_ahead: bool = False  # DecodeConfig.block_ids_ahead (with block_n given)
 
 
 def _alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -125,7 +126,8 @@ def run_kernel(case: Case, inputs, out=None, workspace=None) -> torch.Tensor:
         case.max_seq_len or max(case.seq_lens), case.head_size ** -0.5, case.num_kv_heads, case.block_size,
         workspace=workspace, alibi_slopes=inputs["alibi_slopes"], sliding_window=case.window,
         k_scale=inputs["k_scale"], v_scale=inputs["v_scale"], num_splits=case.num_splits,
-        config=None if case.block_n is None else tpd.DecodeConfig(block_n=case.block_n, num_warps=4, num_stages=3),
+        config=None if case.block_n is None else tpd.DecodeConfig(block_n=case.block_n, num_warps=4, num_stages=3,
+                                                                  block_ids_ahead=case.block_ids_ahead),
     )
 
 
@@ -170,6 +172,14 @@ CPU_CASES = {
     # fault in it (one skipped 16-key block moves its heads by ~7e-2) hides in the batch's norm (~5e-3).
     "bf16-gqa2-d64-long-row-beside-short": Case(3, 4, 2, 64, 16, [3000, 5, 17], num_splits=2),
     "fp16-gqa2-d112-bs16": Case(2, 4, 2, 112, 16, [33, 70], torch.float16, num_splits=2),
+    # Block ids a tile ahead: several tiles a split, a partial last tile, tiles spanning pages, an empty
+    # split, a window and ALiBi.
+    "fp8-bf16-d128-ids-ahead": Case(2, 4, 2, 128, 16, [90, 37], cache_dtype=FP8, num_splits=2, block_n=32,
+                                    block_ids_ahead=True),
+    "fp8-fp16-d64-alibi-window-ids-ahead": Case(2, 8, 2, 64, 8, [77, 9], torch.float16, FP8, alibi=True,
+                                                window=40, num_splits=3, block_n=16, block_ids_ahead=True),
+    "bf16-gqa4-d80-ids-ahead": Case(2, 4, 1, 80, 16, [5, 100], num_splits=4, max_seq_len=160, block_n=16,
+                                    block_ids_ahead=True),
 }
 
 
@@ -370,12 +380,14 @@ def test_unsplit_programs_past_one_wave_take_short_tiles_where_those_fit_one(mon
 
 
 def test_fp8_caches_at_head_size_128_take_small_programs_and_split_by_their_residency(monkeypatch):
-    """fp8 caches at head size 128 (or padded to it): 64-token tiles of 2 warps, 4 an SM on an H200 (528
-    resident), so batch 32 at context 2,048 runs 2 splits and batch 64 at 4,096 one (the measured fastest
-    counts for that tile); other head sizes keep the general tile."""
+    """fp8 caches at head size 128 (or padded to it): 64-token tiles of 2 warps, block ids a tile ahead
+    (two K/V tiles in shared memory), 4 an SM on an H200 (528 resident), so batch 32 at context 2,048
+    runs 2 splits and batch 64 at 4,096 one (the measured fastest counts for that tile); other head
+    sizes keep the general tile."""
     monkeypatch.setattr(tpd, "_device_limits", lambda device: (132, 227 * 1024))
     fp8 = tpd.default_config(128, 1)
-    assert fp8 == tpd.DecodeConfig(block_n=64, num_warps=2, num_stages=3) == tpd.default_config(96, 1)
+    assert fp8 == tpd.DecodeConfig(64, 2, 3, block_ids_ahead=True) == tpd.default_config(96, 1)
+    assert fp8.kv_buffers == 2
     assert tpd.resident_programs(fp8, 128, 1) == 528
     assert tpd.choose_launch(fp8, 32, 8, 2048, 128, 1) == (fp8, 2)
     assert tpd.choose_launch(fp8, 64, 8, 4096, 128, 1) == (fp8, 1)
