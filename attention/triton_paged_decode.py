@@ -27,6 +27,7 @@ correctly for any real lengths up to ``max_seq_len``. Preallocate the workspace 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,8 +61,8 @@ _ONE_WAVE_CONTEXT_BOUND = 1024
 #: (profiles/notes_paged_decode.md).
 TILE_BYTES = 64 * 1024
 #: Shared memory a program needs beyond its K/V tile (what the kernel Triton compiles for sm_90 takes
-#: over a 64 KiB tile, rounded up). Triton keeps one tile in shared memory (no multi-buffering of these
-#: gathered loads).
+#: over a 64 KiB tile, rounded up). Triton keeps one K/V tile in shared memory unless the block ids are
+#: loaded a tile ahead (``DecodeConfig.block_ids_ahead``).
 _SMEM_OVERHEAD = 9 * 1024
 #: Programs of 4 warps per SM at most, from the registers the compiled sm_90 kernel takes a thread, by
 #: cache element size: 16-bit caches fit 3 at head size 128 (beside the shared memory limit) and 4 at
@@ -133,8 +134,8 @@ def default_config(head_size: int, cache_element_size: int, device: torch.device
     block_n = max(16, min(128, TILE_BYTES // _bytes_per_token(head_size, cache_element_size)))
     while block_n > 16 and _program_shared_memory(block_n, head_size, cache_element_size) > smem:
         block_n //= 2
-    # Pipelined loads run a tile ahead in registers (these gathered loads are never multi-buffered in
-    # shared memory); profiles/notes_paged_decode.md compares the stage counts.
+    # With the block ids loaded in the same iteration Triton keeps one K/V tile in shared memory whatever
+    # the stages (profiles/notes_paged_decode.md compares them).
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
 
 
@@ -230,12 +231,12 @@ def choose_launch(
         # Unsplit programs that overflow one wave of config's tiles but fit one wave of shorter ones.
         by_smem = smem // _program_shared_memory(SHORT_CONTEXT_TILE, head_size, cache_element_size)
         if resident < programs <= sms * min(short_per_sm, by_smem):
-            return DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=4, num_stages=config.num_stages), 1
+            return dataclasses.replace(config, block_n=SHORT_CONTEXT_TILE), 1
     short_context = _span(max_seq_len, sliding_window) // MIN_TOKENS_PER_SPLIT <= 4
     few_programs = 2 * programs <= sms
     if tile_given or config.block_n <= SHORT_CONTEXT_TILE or not short_context or not few_programs:
         return config, splits
-    short = DecodeConfig(block_n=SHORT_CONTEXT_TILE, num_warps=config.num_warps, num_stages=config.num_stages)
+    short = dataclasses.replace(config, block_n=SHORT_CONTEXT_TILE)
     resident = resident_programs(short, head_size, cache_element_size, device)
     short_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, resident, sliding_window, max_splits,
                                      min_tokens_per_split=SHORT_CONTEXT_TILE)

@@ -163,10 +163,12 @@ def test_scaled_mm_rows_kernel_against_float64(rows, out_features, in_features, 
     check_scaled_mm(rows, out_features, in_features, bias, tile)
 
 
-def test_split_k_sums_the_same_whichever_split_finishes_last_and_leaves_its_counts_at_zero(monkeypatch):
+def test_split_k_launches_repeat_bit_for_bit_and_leave_their_counts_at_zero(monkeypatch):
     """The last split adds every split's partial sums in split order: a split launch gives the same bits
     again, its arrival counts are back at zero for the next launch (a graph replays it as is), and a
-    launch larger than the fixed scratch is refused by name."""
+    launch larger than the fixed scratch is refused by name. (The interpreter runs the splits in order;
+    the GPU's arrival order is exercised by the GPU tests of the models' shapes, whose default tiles
+    split, against float64 at FP8_ACCUMULATION.)"""
     codes, scale = quantize_per_channel(torch.randn(96, 320, device=DEVICE))
     x = _rows(5, 320, torch.bfloat16, seed=11)
     tile = fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)
@@ -180,6 +182,17 @@ def test_split_k_sums_the_same_whichever_split_finishes_last_and_leaves_its_coun
     monkeypatch.setattr(fp8_matmul, "PARTIAL_CAPACITY", 1000)
     with pytest.raises(ValueError, match="split-K launch of 3 tiles and 6144 partial sums exceeds"):
         fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(0, 32), (48, 0)])
+def test_empty_widths_give_the_bias_or_an_empty_product(in_features, out_features):
+    codes = torch.zeros(out_features, in_features, dtype=fp8_matmul.FP8_DTYPE, device=DEVICE)
+    scale = torch.ones(out_features, device=DEVICE)
+    x = torch.randn(3, in_features, device=DEVICE).to(torch.bfloat16)
+    bias = torch.randn(out_features, device=DEVICE).to(torch.bfloat16)
+    for product in (fp8_matmul.w8a16_matmul, fp8_matmul.scaled_mm):
+        got = product(x, codes, scale, bias)
+        assert got.shape == (3, out_features) and torch.equal(got, bias.expand(3, -1))
 
 
 def test_bad_operands_are_refused():

@@ -178,6 +178,8 @@ CPU_CASES = {
                                     block_ids_ahead=True),
     "fp8-fp16-d64-alibi-window-ids-ahead": Case(2, 8, 2, 64, 8, [77, 9], torch.float16, FP8, alibi=True,
                                                 window=40, num_splits=3, block_n=16, block_ids_ahead=True),
+    "fp16-gqa2-d64-window-ids-ahead-3-tiles": Case(1, 4, 2, 64, 16, [77], torch.float16, window=40, num_splits=1,
+                                                   block_n=16, block_ids_ahead=True),  # keys 37..76, off a page
     "bf16-gqa4-d80-ids-ahead": Case(2, 4, 1, 80, 16, [5, 100], num_splits=4, max_seq_len=160, block_n=16,
                                     block_ids_ahead=True),
 }

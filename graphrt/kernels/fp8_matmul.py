@@ -78,6 +78,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width = x.shape
     codes = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if not width:  # nothing to scale: every row gets the smallest scale, as a row of zeros does
+        return codes, scales.fill_(MIN_SCALE)
     if rows:
         _quantize_rows_kernel[(rows,)](x, codes, scales, x.stride(0), codes.stride(0), width,
                                        MIN_SCALE_VALUE=MIN_SCALE, BLOCK=min(_BLOCK, triton.next_power_of_2(width)))
@@ -208,7 +210,7 @@ def _weight_rows_kernel(
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
-                total += tl.load(tile_base + split * tile_stride, cache_modifier=".cg")
+                total += tl.load(tile_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
             _store_rows_tile(total, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
                              stride_out, dtype, X_CODES, HAS_BIAS)
 
@@ -280,7 +282,7 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_k = min(256, max(32, triton.next_power_of_2(in_features)))
     block_n = 64
-    tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
+    tiles = max(1, triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m))
     wanted = (SPLIT_PROGRAMS_PER_SM if block_m == 16 else 1) * multiprocessors // tiles
     split_k = max(1, min(MAX_SPLIT_K, wanted, triton.cdiv(in_features, block_k) // MIN_SLICES_PER_SPLIT))
     if block_m == 64 and split_k == 1 and block_k > 128:
@@ -294,14 +296,17 @@ def w8a16_is_faster(rows: int, out_features: int, in_features: int, multiprocess
     weight run faster on the W8A16 kernel than on FP8 tensor cores: where ``rows_tile`` splits K the most
     ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far more than the FP8 x
     FP8 one, which also pays a quantisation launch; where K is split less or not at all the FP8 kernel
-    was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows, profiles/notes_fp8.md)."""
+    was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows, profiles/notes_fp8.md,
+    which names the one GPU measured; others take the same rule unmeasured)."""
     return rows_tile(rows, out_features, in_features, multiprocessors).split_k == MAX_SPLIT_K
 
 
 #: Split-K scratch per device: float32 partial sums and int32 arrival counts (zero between launches:
 #: the last split of each tile resets its count). Fixed sizes, allocated on a device's first split launch
 #: and never freed or moved, so captured graphs keep valid addresses; ``rows_tile``'s splits need at most
-#: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64.
+#: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64. One scratch for the device: split
+#: launches must not run concurrently on it (graphrt runs its forwards and graph replays on one stream,
+#: and the kernel is never launched as a programmatic dependent, so each launch ends before the next).
 PARTIAL_CAPACITY = 1 << 22
 ARRIVAL_CAPACITY = 1 << 13
 _split_scratch: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -309,12 +314,15 @@ _split_scratch: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] 
 
 def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials [PARTIAL_CAPACITY] float32, arrivals [ARRIVAL_CAPACITY] int32) of ``device``."""
-    if partials > PARTIAL_CAPACITY or tiles > ARRIVAL_CAPACITY:
-        raise ValueError(f"a split-K launch of {tiles} tiles and {partials} partial sums exceeds the scratch "
-                         f"({ARRIVAL_CAPACITY} tiles, {PARTIAL_CAPACITY} sums): use fewer splits or larger tiles")
     key = (device.type, device.index if device.index is not None or device.type != "cuda"
            else torch.cuda.current_device())
-    if key not in _split_scratch:
+    held = _split_scratch.get(key)
+    sums_room = min(PARTIAL_CAPACITY, held[0].numel()) if held else PARTIAL_CAPACITY
+    tiles_room = min(ARRIVAL_CAPACITY, held[1].numel()) if held else ARRIVAL_CAPACITY
+    if partials > sums_room or tiles > tiles_room:
+        raise ValueError(f"a split-K launch of {tiles} tiles and {partials} partial sums exceeds the scratch "
+                         f"({tiles_room} tiles, {sums_room} sums): use fewer splits or larger tiles")
+    if held is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split-K scratch is allocated on a device's first split launch, which must "
                                "run outside CUDA-graph capture: run the product once before capturing")
@@ -330,8 +338,10 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
     out = torch.empty((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
-    if rows == 0:
+    if rows == 0 or weight.shape[0] == 0:
         return out
+    if width == 0:  # an empty sum: the bias alone
+        return out.copy_(bias.to(out_dtype).expand_as(out)) if bias is not None else out.zero_()
     tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device))
     even = weight.shape[0] % tile.block_n == 0 and width % tile.block_k == 0
     dot_f32 = out_dtype == torch.float32
