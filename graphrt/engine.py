@@ -58,7 +58,10 @@ class LLMEngine:
             self.tokenizer: Tokenizer | None = checkpoint.tokenizer
             self.max_model_len = self._resolve_max_model_len()
             self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
-            self.attention_backend = get_attention_backend(config.attention_backend, self.device)
+            try:
+                self.attention_backend = get_attention_backend(config.attention_backend, self.device)
+            except ValueError as error:  # unknown, or unusable on this device
+                raise ConfigError(f"attention_backend: {error}") from None
             self.fused_kernels = self.device.type == "cuda" if config.fused_kernels is None else config.fused_kernels
             if self.fused_kernels and self.device.type == "cpu" and not triton_interpreter_on():
                 raise ConfigError("fused_kernels=True needs a CUDA device; on CPU Triton runs only in its "
@@ -100,7 +103,8 @@ class LLMEngine:
         self.calibrate_kv_scales = config.calibrate_kv_scales and any(
             not (layer.self_attn.k_scale_stored and layer.self_attn.v_scale_stored) for layer in self.model.layers)
         if config.calibrate_kv_scales and self.model.layers and not self.calibrate_kv_scales:
-            logger.info("calibrate_kv_scales: every layer has KV-cache scales from the checkpoint; they are kept")
+            logger.warning("calibrate_kv_scales: every layer has KV-cache scales from the checkpoint; they are "
+                           "kept and nothing is calibrated")
         if not self.calibrate_kv_scales:
             self.decode_runner.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,

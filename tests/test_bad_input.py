@@ -270,3 +270,12 @@ def test_numpy_token_ids_are_one_prompt(llm):
     assert from_numpy.error is None and from_numpy.token_ids == from_ints.token_ids
     [nested] = llm.generate([list(ids)], GREEDY)
     assert nested.prompt_token_ids == [5, 6, 7] and type(nested.prompt_token_ids[0]) is int
+
+
+@pytest.mark.parametrize(("backend", "message"), [("flash", "attention_backend: unknown attention backend 'flash'"),
+                                                  ("triton", "attention_backend: attention backend 'triton' cannot run")])
+def test_an_attention_backend_that_cannot_run_is_refused_by_name(backend, message):
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("the Triton backend runs on CUDA")
+    with pytest.raises(ConfigError, match=message):
+        LLM(**TINY, attention_backend=backend)

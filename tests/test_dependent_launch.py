@@ -55,7 +55,12 @@ def _cases(pdl: bool) -> list[dict]:
                    "stride_kv_kind": "i64", "stride_kv_block": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
                        SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
-                       USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, PDL=pdl))
+                       USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, BLOCK_IDS_AHEAD=False,
+                       PDL=pdl))
+    split_fp8 = _case("decode-split-fp8-ids-ahead", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
+                      {**split["signature"], "kv_ptr": "*fp8e4nv"},
+                      {**split["constexprs"], "HEAD_SIZE": 128, "HEAD_PAD": 128, "FP8_DOT_F16": True,
+                       "BLOCK_IDS_AHEAD": True}, num_warps=2)
     qkv_rope = _case("qkv-rope-cache", "graphrt.attention.triton_rope_cache_write", "_qkv_rope_cache_kernel",
                      {**{arg: "*bf16" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr", "cache_ptr")},
                       "scale_ptr": "*fp32", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
@@ -64,7 +69,7 @@ def _cases(pdl: bool) -> list[dict]:
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, W_SCALED=False,
                           WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, THREAD_SUM=1, NORM_BLOCK=2048, PDL=pdl))
-    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, qkv_rope]
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
