@@ -16,8 +16,10 @@ FP8 model's linear layers run on the tensor cores, one of two ways:
   (``supports_shape``).
 
 The Triton kernel puts the weight rows on the tensor cores' 64-row side and the tokens on the narrow
-side, so 2-64 tokens fill an MMA without padding to 64. Which path a forward takes is the kernel
-policy's (``graphrt.models.kernel_policy``).
+side, so 2-64 tokens fill an MMA without padding to 64; where a matrix has too few output tiles to fill
+the GPU it splits K over several programs, the last to finish adding their partial sums (``rows_tile``).
+Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
+``w8a16_is_faster``).
 """
 
 from __future__ import annotations
