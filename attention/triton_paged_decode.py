@@ -66,7 +66,8 @@ TILE_BYTES = 64 * 1024
 _SMEM_OVERHEAD = 9 * 1024
 #: Programs of 4 warps per SM at most, from the registers the compiled sm_90 kernel takes a thread, by
 #: cache element size: 16-bit caches fit 3 at head size 128 (beside the shared memory limit) and 4 at
-#: head size 64 (profiles/notes_paged_decode.md has the split counts this gives); fp8 caches, whose kernel takes the most registers, fit 2 (4 of the 2-warp programs of ``_FP8_TILES``).
+#: head size 64 (profiles/notes_paged_decode.md has the split counts this gives); fp8 caches, whose
+#: kernel takes the most registers, fit 2 (4 of the 2-warp programs of ``_FP8_TILES``).
 _MAX_PROGRAMS_PER_SM = {1: 2, 2: 3, 4: 3}
 _MAX_PROGRAMS_PER_SM_SMALL_HEADS = {2: 4}  # head size <= 64
 #: Shared memory assumed where the device does not say (Hopper's per-block opt-in limit).

@@ -109,10 +109,10 @@ def test_rows_tiles_split_k_where_programs_would_leave_multiprocessors_idle():
 
     assert [split(8, n, k) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [2, 4, 1, 4]
     assert [split(64, n, k) for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))] == [2, 4, 1, 4]
-    assert [fp8_matmul.w8a16_is_faster(8, n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096),
-                                                                   (4096, 14336), (3072, 2048))] == [
+    assert [fp8_matmul.w8a16_is_faster(fp8_matmul.rows_tile(8, n, k, 132))
+            for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048))] == [
         False, True, False, True, True]
-    assert not fp8_matmul.w8a16_is_faster(64, 4096, 4096, 132)  # 64 tokens a tile: 2 splits
+    assert not fp8_matmul.w8a16_is_faster(fp8_matmul.rows_tile(64, 4096, 4096, 132))  # 64 tokens a tile: 2 splits
     assert split(8, 960, 576) == 1 and split(8, 960, 1024) == 2  # 576 codes: three 256-code slices
     assert split(8, 64, 4096, sms=4) == 4 and split(8, 512, 4096, sms=4) == 1
     with pytest.raises(ValueError, match="split_k must be 1 to 4"):

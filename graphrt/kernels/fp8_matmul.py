@@ -293,14 +293,14 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
     return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
 
 
-def w8a16_is_faster(rows: int, out_features: int, in_features: int, multiprocessors: int) -> bool:
-    """Whether ``rows`` tokens (2-16: ``kernel_policy.GemvThresholds.w8a16_max_tokens``) through this
-    weight run faster on the W8A16 kernel than on FP8 tensor cores: where ``rows_tile`` splits K the most
-    ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far more than the FP8 x
-    FP8 one, which also pays a quantisation launch; where K is split less or not at all the FP8 kernel
-    was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows, profiles/notes_fp8.md,
-    which names the one GPU measured; others take the same rule unmeasured)."""
-    return rows_tile(rows, out_features, in_features, multiprocessors).split_k == MAX_SPLIT_K
+def w8a16_is_faster(tile: RowsTile) -> bool:
+    """Whether a product of 2-16 tokens (``kernel_policy.GemvThresholds.w8a16_max_tokens``) whose
+    ``rows_tile`` is ``tile`` runs faster on the W8A16 kernel than on FP8 tensor cores: where that tile
+    splits K the most ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far
+    more than the FP8 x FP8 one, which also pays a quantisation launch; where K is split less or not at
+    all the FP8 kernel was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows,
+    profiles/notes_fp8.md, which names the one GPU measured; others take the same rule unmeasured)."""
+    return tile.split_k == MAX_SPLIT_K
 
 
 #: Split-K scratch per device: float32 partial sums and int32 arrival counts (zero between launches:

@@ -187,12 +187,11 @@ class Fp8Linear(nn.Module):
         """x: [T, in] -> [T, out] in x's dtype."""
         if x.is_cuda and self.scale_columns is None:
             kernels = _fp8_matmul()
-            if self.tensor_cores and x.shape[0] > 1 and not (
-                    x.shape[0] <= self.w8a16_max_tokens
-                    and kernels.w8a16_is_faster(x.shape[0], self.out_features, self.in_features,
-                                                kernels.multiprocessors(x.device))):
-                return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias)
-            return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias)
+            rows = x.shape[0]
+            tile = kernels.rows_tile(rows, self.out_features, self.in_features, kernels.multiprocessors(x.device))
+            if self.tensor_cores and rows > 1 and not (rows <= self.w8a16_max_tokens and kernels.w8a16_is_faster(tile)):
+                return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias, tile=tile)
+            return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias, tile=tile)
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
