@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
+from graphrt.kernels.device import multiprocessors
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -94,17 +95,17 @@ class DecodeConfig:
 
 
 @lru_cache(maxsize=None)
-def _cuda_limits(device_index: int) -> tuple[int, int]:
+def _cuda_shared_memory(device_index: int) -> int:
     props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or _DEFAULT_SMEM
-    return props.multi_processor_count, smem
+    return getattr(props, "shared_memory_per_block_optin", 0) or _DEFAULT_SMEM
 
 
 def _device_limits(device: torch.device | None) -> tuple[int, int]:
     """(multiprocessors, shared memory per block); a small stand-in machine off CUDA (interpreter)."""
     if device is not None and device.type == "cuda":
-        return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
-    return 4, _DEFAULT_SMEM
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return multiprocessors(device), _cuda_shared_memory(index)
+    return multiprocessors(torch.device("cpu")), _DEFAULT_SMEM
 
 
 def _bytes_per_token(head_size: int, cache_element_size: int) -> int:
@@ -385,11 +386,11 @@ def _decode_split_kernel(
         pos_ok = pos < end
         if BLOCK_IDS_AHEAD:
             # This tile's ids came from the previous iteration: Triton multi-buffers the K/V loads.
-            token = block.to(tl.int64) * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+            block_ids = block.to(tl.int64)
             block = tl.load(table + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
         else:
             block_ids = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-            token = block_ids * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
+        token = block_ids * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_token
         kv_off = token[:, None] + dims[None, :]
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(head_base + kv_off, mask=kv_ok, other=0.0)
@@ -571,8 +572,8 @@ def paged_decode_attention(
     (mandatory inside CUDA-graph capture: this function then allocates nothing). ``num_splits`` and
     ``config`` override the host heuristics (tests, tuning); ``fp8_dot_f16`` (the default) runs an fp8
     cache's products in fp16 instead of the query dtype: E4M3 widens to fp16 in one instruction a pair
-    (to bf16 through fp32), and measured faster (profiles/notes_paged_decode.md); fp16 keeps more of the query's and probabilities' mantissa, and
-    the query is clamped to fp16's range.
+    (to bf16 through fp32), and measured faster (profiles/notes_paged_decode.md); fp16 keeps more of the
+    query's and probabilities' mantissa, and the query is clamped to fp16's range.
     ``dependent_launch``: launch the kernel as a programmatic dependent of the kernel before it (see
     ``graphrt.kernels.dependent_launch``).
     """

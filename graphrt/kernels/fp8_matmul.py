@@ -24,13 +24,13 @@ Which path a forward takes is the kernel policy's (``graphrt.models.kernel_polic
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from graphrt.kernels.device import multiprocessors
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -257,21 +257,6 @@ MIN_SLICES_PER_SPLIT = 2
 #: rows (the 8B's QKV, O and down at 64-96 tiles, the 1B's at 32-48) otherwise leave most multiprocessors
 #: of a large GPU idle (profiles/notes_fp8.md).
 SPLIT_PROGRAMS_PER_SM = 2
-#: Multiprocessors assumed off CUDA (the interpreter): a small stand-in machine.
-_STAND_IN_MULTIPROCESSORS = 4
-
-
-@functools.cache
-def _cuda_multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor count (``_STAND_IN_MULTIPROCESSORS`` off CUDA)."""
-    if device.type != "cuda":
-        return _STAND_IN_MULTIPROCESSORS
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
 
 def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int) -> RowsTile:
     """The tile for ``rows`` tokens: up to 64 of them a program (padded to 16, the tensor cores'
