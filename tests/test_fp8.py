@@ -118,6 +118,46 @@ def test_a_quantized_model_holds_fp8_layers_filled_at_load():
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
+def test_fused_norms_and_activations_quantize_what_fp8_tensor_cores_take(monkeypatch):
+    """With FP8 tensor cores (their Triton kernels, run here in the interpreter as CUDA would run them),
+    the norms before QKV and gate/up and SiLU * up before down write their outputs as codes with
+    per-token scales: the same logits, bit for bit, as each product quantising its input itself, over
+    a prefill and a decode batch."""
+    pytest.importorskip("triton")
+    import graphrt.models.fp8 as fp8_module
+    import graphrt.models.llama as llama_module
+
+    monkeypatch.setattr(fp8_module, "_runs_cuda_kernels", lambda device: True)
+    llm = LLM("random:tiny", dtype="bfloat16", device="cpu", fused_kernels=True, quantization="fp8",
+              max_model_len=64, max_num_seqs=4, num_kv_blocks=32, progress=False)
+    model = llm.engine.runner.model
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.tensor_cores = True  # as on an sm_89+ GPU (the CPU policy has none)
+    decided = []
+    quantizes_input = llama_module._quantizes_input
+    monkeypatch.setattr(llama_module, "_quantizes_input",
+                        lambda *args: decided.append((args[1], quantizes_input(*args))) or decided[-1][1])
+    prompts = [[(29 * i + 7 * n) % 500 + 3 for i in range(n)] for n in (5, 9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = {}
+    for producers_quantize in (True, False):
+        if not producers_quantize:
+            monkeypatch.setattr(llama_module, "_quantizes_input", lambda *args: False)
+        recorded, original = [], model.compute_logits
+        model.compute_logits = lambda hidden: recorded.append(original(hidden)) or recorded[-1]
+        try:
+            tokens = [out.token_ids for out in llm.generate(prompts, params)]
+        finally:
+            del model.compute_logits
+        runs[producers_quantize] = tokens, recorded
+    # the prompts' prefill (one forward of all three) and the decode batch of 3
+    assert {rows for rows, quantized in decided if quantized} == {sum(map(len, prompts)), 3}
+    (tokens, logits), (plain_tokens, plain_logits) = runs[True], runs[False]
+    assert tokens == plain_tokens and len(logits) == len(plain_logits)
+    assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
+
+
 def _hf_named(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """``model``'s weights under HF checkpoint names (q/k/v and gate/up split again)."""
     config, tensors = model.config, {}

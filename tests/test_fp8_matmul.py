@@ -195,6 +195,31 @@ def test_empty_widths_give_the_bias_or_an_empty_product(in_features, out_feature
         assert got.shape == (3, out_features) and torch.equal(got, bias.expand(3, -1))
 
 
+@pytest.mark.parametrize("rows", [3, 64] + ([65, 257] if CUDA else []))  # above 64: cuBLAS (CUDA only)
+def test_scaled_mm_of_quantized_rows_equals_scaled_mm_of_the_activations(rows):
+    """Rows a producer kernel quantised (QuantizedRows) give the product of the activations they stand
+    for bit for bit: the same codes and scales, minus the quantisation launch."""
+    codes, scale = quantize_per_channel(torch.randn(48, 96, device=DEVICE))
+    x = _rows(rows, 96, torch.bfloat16, seed=rows)
+    quantized = fp8_matmul.QuantizedRows(*fp8_matmul.quantize_rows(x), x.dtype)
+    bias = torch.randn(48, device=DEVICE).to(torch.bfloat16)
+    got = fp8_matmul.scaled_mm(quantized, codes, scale, bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, fp8_matmul.scaled_mm(x, codes, scale, bias))
+
+
+def test_bad_quantized_rows_are_refused():
+    codes, scale = quantize_per_channel(torch.randn(32, 48))
+    x_codes, x_scales = fp8_matmul.quantize_rows_torch(torch.randn(2, 48))
+    for bad in (fp8_matmul.QuantizedRows(x_codes.float(), x_scales, torch.bfloat16),
+                fp8_matmul.QuantizedRows(x_codes, x_scales[:1], torch.bfloat16),
+                fp8_matmul.QuantizedRows(x_codes, x_scales.double(), torch.bfloat16)):
+        with pytest.raises(ValueError, match="quantized rows must be float8_e4m3fn codes"):
+            fp8_matmul.scaled_mm(bad, codes, scale)
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_matmul.scaled_mm(fp8_matmul.QuantizedRows(x_codes[:, :40].contiguous(), x_scales, torch.bfloat16),
+                             codes, scale)
+
+
 def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="floating-point \\[M, K\\]"):
         fp8_matmul.quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))

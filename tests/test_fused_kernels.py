@@ -89,6 +89,78 @@ def test_rms_norm_grid_gpu(num_tokens, hidden, dtype, with_residual):
     check_rms_norm(num_tokens, hidden, dtype, with_residual, seed=num_tokens * hidden)
 
 
+def _assert_quantized_as_quantize_rows(got, output):
+    """``got`` (QuantizedRows) equals ``quantize_rows_torch`` of ``output`` bit for bit. Except float32
+    on the GPU: there the quantising and the plain kernel, compiled apart, may sum the norm's squares
+    in another order, so a value can differ in its last bit: the scales then within a float32 rounding
+    or two, the codes within E4M3 rounding of the output (half a step, 2**-4 relative)."""
+    from graphrt.kernels.fp8_matmul import QuantizedRows, quantize_rows_torch
+
+    codes, scales = quantize_rows_torch(output)
+    assert isinstance(got, QuantizedRows) and got.dtype == output.dtype and got.shape == output.shape
+    if output.dtype == torch.float32 and CUDA:
+        torch.testing.assert_close(got.scales, scales, rtol=2**-21, atol=0)
+        back = got.codes.double() * got.scales.double()[:, None]
+        exact = output.double()
+        bound = exact.abs() * 2**-4 * (1 + 2**-20) + got.scales.double()[:, None] * 2**-10
+        assert ((back - exact).abs() <= bound).all()
+        return
+    assert torch.equal(got.scales, scales)
+    assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8))
+
+
+def check_rms_norm_quantized(num_tokens, hidden, dtype, with_residual, seed=0):
+    """The quantised output against quantize_rows of the kernel's own 16-bit output (same sum, same
+    rounding); the residual's update unchanged. A zero row gets the smallest scale."""
+    from graphrt.kernels.fp8_matmul import MIN_SCALE
+
+    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=3.0)
+    weight = _randn(hidden, dtype=dtype, seed=seed + 1)
+    residual = _randn(num_tokens, hidden, dtype=dtype, seed=seed + 2) if with_residual else None
+    if not with_residual:
+        x[-1] = 0.0
+    plain = rms_norm.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone())
+    got = rms_norm.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone(), quantize=True)
+    if with_residual:
+        (got, got_sum), (plain, plain_sum) = got, plain
+        assert torch.equal(got_sum, plain_sum)
+    _assert_quantized_as_quantize_rows(got, plain)
+    if not with_residual:
+        assert got.scales[-1] == MIN_SCALE and not got.codes[-1].float().any()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("num_tokens,hidden", [(2, 64), (3, 80), (5, 576)])
+def test_rms_norm_quantized_output_is_quantize_rows_of_its_output(num_tokens, hidden, dtype, with_residual):
+    check_rms_norm_quantized(num_tokens, hidden, dtype, with_residual, seed=hidden)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("num_tokens", [2, 17, 64, 257])
+@pytest.mark.parametrize("hidden", [576, 2048, 4096])
+def test_rms_norm_quantized_grid_gpu(num_tokens, hidden, dtype, with_residual):
+    check_rms_norm_quantized(num_tokens, hidden, dtype, with_residual, seed=num_tokens + hidden)
+
+
+def test_quantized_outputs_take_no_out():
+    x = _randn(2, 64, dtype=torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="out cannot be given with quantize"):
+        rms_norm.rms_norm(x, x[0].clone(), 1e-5, out=torch.empty_like(x), quantize=True)
+    with pytest.raises(ValueError, match="out cannot be given with quantize"):
+        activation.silu_and_mul(x, out=torch.empty(2, 32, dtype=x.dtype, device=DEVICE), quantize=True)
+
+
+def test_a_quantized_norm_needs_the_fused_kernel():
+    from graphrt.models.layers import RMSNorm
+
+    with pytest.raises(ValueError, match="quantized norm output needs the fused kernel"):
+        RMSNorm(64, 1e-5, torch.float32, DEVICE)(_randn(2, 64, dtype=torch.float32, seed=1), quantize=True)
+
+
 def test_rms_norm_rejects_mismatched_residual():
     x = _randn(2, 64, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match="residual"):
@@ -119,6 +191,37 @@ def test_silu_and_mul_matches_torch(num_tokens, intermediate, dtype):
 @pytest.mark.parametrize("intermediate", [1536, 8192, 14336, 1000])
 def test_silu_and_mul_grid_gpu(num_tokens, intermediate, dtype):
     check_silu_and_mul(num_tokens, intermediate, dtype, seed=num_tokens + intermediate)
+
+
+def check_silu_and_mul_quantized(num_tokens, intermediate, dtype, seed=0):
+    from graphrt.kernels.fp8_matmul import MIN_SCALE
+
+    gate_up = _randn(num_tokens, 2 * intermediate, dtype=dtype, seed=seed, scale=4.0)
+    gate_up[-1, :intermediate] = 0.0  # silu(0) * up = 0: a zero row, the smallest scale
+    got = activation.silu_and_mul(gate_up, quantize=True)
+    _assert_quantized_as_quantize_rows(got, activation.silu_and_mul(gate_up))
+    assert got.scales[-1] == MIN_SCALE
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,intermediate", [(2, 64), (3, 1536), (2, 5000)])
+def test_silu_and_mul_quantized_output_is_quantize_rows_of_its_output(num_tokens, intermediate, dtype,
+                                                                      monkeypatch):
+    """Rows held in registers in one partial load, and (the register cap lowered to 2048 columns) rows
+    walked twice in loads of 2048, the last partial."""
+    check_silu_and_mul_quantized(num_tokens, intermediate, dtype, seed=intermediate)
+    monkeypatch.setattr(activation, "_QUANTIZE_MAX_BLOCK", 2048)
+    monkeypatch.setattr(activation, "_QUANTIZE_LOOP_BLOCK", 2048)
+    check_silu_and_mul_quantized(num_tokens, intermediate, dtype, seed=intermediate + 1)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [2, 17, 64, 257])
+@pytest.mark.parametrize("intermediate", [1536, 8192, 14336, 1000, 28672])  # 28672: above the register cap
+def test_silu_and_mul_quantized_grid_gpu(num_tokens, intermediate, dtype):
+    check_silu_and_mul_quantized(num_tokens, intermediate, dtype, seed=num_tokens + intermediate)
 
 
 # -- rotary embedding + KV-cache write -------------------------------------------------------------------

@@ -68,6 +68,35 @@ def test_fp8_graphs_give_the_eager_tokens(kv_cache_dtype):
     assert tokens[False] == tokens[True]
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_quantizing_norms_and_activations_give_the_logits_of_quantizing_products(monkeypatch, enforce_eager):
+    """The fused norms and SiLU * up that write FP8 codes for the tensor-core products give the tokens
+    and logits (bit for bit) of each product quantising its own input: prefills of 20 and 120 tokens and
+    decode batches of 5 and 40 rows (over 16: every product on FP8 tensor cores), in graphs (captured
+    either way; the logits compared are the eager prefills') and eagerly (every step's logits)."""
+    import graphrt.models.llama as llama_module
+
+    quantizes_input = llama_module._quantizes_input
+    decided = []
+    prompts = [[5 + i, 17, 300 + 7 * i, 42] for i in range(5)], [[9 + i, 33, 1000 + i] for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for producers_quantize in (True, False):
+        monkeypatch.setattr(llama_module, "_quantizes_input", lambda *args, _on=producers_quantize: (
+            decided.append(quantizes_input(*args)) or decided[-1]) if _on else False)
+        with LLM("random:smollm2-135m", quantization="fp8", enforce_eager=enforce_eager, max_num_seqs=64,
+                 loader_options={"init_std": 0.05}, progress=False) as llm:
+            model, recorded = llm.engine.runner.model, []
+            original = model.compute_logits
+            model.compute_logits = lambda hidden: recorded.append(original(hidden).clone()) or recorded[-1]
+            tokens = [[o.token_ids for o in llm.generate(batch, params)] for batch in prompts]
+            runs[producers_quantize] = tokens, recorded
+    assert any(decided), "no norm or activation quantised its output"
+    (tokens, logits), (plain_tokens, plain_logits) = runs[True], runs[False]
+    assert tokens == plain_tokens
+    assert len(logits) == len(plain_logits) and all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
+
+
 def test_an_fp8_checkpoint_loaded_by_graphrt_and_by_transformers_on_the_gpu(tmp_path):
     """transformers runs the fine-grained FP8 checkpoint with its own FP8 kernels (block-quantised
     activations); graphrt runs the same file (block scales: the dequantising path) in bfloat16. Their

@@ -8,7 +8,8 @@ FP8 model's linear layers run on the tensor cores, one of two ways:
   each output column once. The activations are not quantised: the result is the one the dequantised
   weights give (up to the activations' float16 range, see its docstring).
 * ``scaled_mm``: each token's activations are quantised to E4M3 with a scale of their own
-  (``quantize_rows``, one Triton launch: ``scale = amax / 448``, codes rounded to nearest-even), then
+  (``quantize_rows``, one Triton launch: ``scale = amax / 448``, codes rounded to nearest-even; or
+  already by the kernel that produced them, which hands over ``QuantizedRows``), then
   codes multiply codes on FP8 tensor cores (twice the 16-bit rate, no widening), with row-wise scales:
   for up to ``TRITON_MAX_ROWS`` rows the same Triton kernel, above it ``torch._scaled_mm`` (cuBLAS /
   CUTLASS, sm_89+). Quantising the activations adds an error the W8A16 path does not have: at most
@@ -25,6 +26,7 @@ Which path a forward takes is the kernel policy's (``graphrt.models.kernel_polic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,9 +39,42 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 #: Smallest activation scale: a row of zeros gets it (its codes are zeros) instead of dividing by 0.
 MIN_SCALE = 1e-12
+_MIN_SCALE_VALUE: tl.constexpr = tl.constexpr(MIN_SCALE)
 
 #: Row elements one load of ``_quantize_rows_kernel`` takes.
 _BLOCK = 1024
+
+
+class QuantizedRows(NamedTuple):
+    """Activations quantised per row, as ``quantize_rows`` (or a producer kernel that quantises its own
+    output: ``rms_norm``, ``silu_and_mul``) writes them: codes [M, K] float8_e4m3fn, scales [M] float32
+    (``x[m] ~ codes[m] * scales[m]``), and dtype, the activations' own dtype (the product's output
+    dtype). ``scaled_mm`` takes them in place of x."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
+@triton.jit
+def row_scale(amax):
+    """A row's activation scale from its largest magnitude (float32): ``max(amax / 448, MIN_SCALE)``,
+    correctly rounded as torch divides, so codes equal ``quantize_rows_torch``'s bit for bit."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX_VALUE), _MIN_SCALE_VALUE)
+
+
+@triton.jit
+def row_codes(x, scale):
+    """float32 values -> their E4M3 codes under ``scale`` (still float32, exact in the final cast)."""
+    return round_to_e4m3(tl.math.div_rn(x, scale))
 
 
 @triton.jit
@@ -50,7 +85,6 @@ def _quantize_rows_kernel(
     stride_x,
     stride_codes,
     K,
-    MIN_SCALE_VALUE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -60,14 +94,19 @@ def _quantize_rows_kernel(
     for k in range(0, K, BLOCK):
         x = tl.load(x_row + k + offsets, mask=k + offsets < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # Correctly rounded divisions, as torch divides: the codes then equal quantize_rows_torch's bit for bit.
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_VALUE), MIN_SCALE_VALUE)
+    scale = row_scale(tl.max(amax, axis=0))
     tl.store(scales_ptr + row, scale)
     for k in range(0, K, BLOCK):  # the row again, from L1/L2
         cols = k + offsets
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        codes = round_to_e4m3(tl.math.div_rn(x, scale))
-        tl.store(codes_ptr + row * stride_codes + cols, codes.to(codes_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(codes_ptr + row * stride_codes + cols, row_codes(x, scale).to(codes_ptr.dtype.element_ty),
+                 mask=cols < K)
+
+
+def quantized_rows_out(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
+    """Uninitialised codes [rows, width] and scales [rows] for a kernel that quantises its output."""
+    return QuantizedRows(torch.empty((rows, width), dtype=FP8_DTYPE, device=device),
+                         torch.empty(rows, dtype=torch.float32, device=device), dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +123,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return codes, scales.fill_(MIN_SCALE)
     if rows:
         _quantize_rows_kernel[(rows,)](x, codes, scales, x.stride(0), codes.stride(0), width,
-                                       MIN_SCALE_VALUE=MIN_SCALE, BLOCK=min(_BLOCK, triton.next_power_of_2(width)))
+                                       BLOCK=min(_BLOCK, triton.next_power_of_2(width)))
     return codes, scales
 
 
@@ -111,23 +150,29 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 TRITON_MAX_ROWS = 64
 
 
-def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None = None, tile: RowsTile | None = None) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` on FP8 tensor cores, x quantised per row.
 
-    x: [M, K] 16-bit or float32 on CUDA; weight: [N, K] float8_e4m3fn, contiguous; weight_scale: [N]
-    float32; bias: None or [N]. Returns [M, N] in x's dtype. Up to ``TRITON_MAX_ROWS`` rows: one
+    x: [M, K] 16-bit or float32 on CUDA, or ``QuantizedRows`` its producer already quantised (then no
+    quantisation launch here); weight: [N, K] float8_e4m3fn, contiguous; weight_scale: [N] float32;
+    bias: None or [N]. Returns [M, N] in x's dtype. Up to ``TRITON_MAX_ROWS`` rows: one
     quantisation launch and the Triton kernel (``tile``: its tiling, default ``rows_tile``'s; Hopper's FP8
     accumulator, about 14 bits, is added into float32 registers every K slice); more rows:
     ``torch._scaled_mm`` with row-wise scales, written in bfloat16 (the one output type row-wise
     scaling takes) and converted when x is not bfloat16. No host sync: safe inside a CUDA graph.
     """
-    _check_weight(x, weight, weight_scale)
+    quantized = isinstance(x, QuantizedRows)
+    if quantized and (x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],)
+                      or x.scales.dtype != torch.float32):
+        raise ValueError(f"quantized rows must be float8_e4m3fn codes [M, K] with float32 scales [M], got "
+                         f"{x.codes.dtype} {tuple(x.codes.shape)} and {x.scales.dtype} {tuple(x.scales.shape)}")
+    _check_weight(x.codes if quantized else x, weight, weight_scale)
     if not supports_shape(*weight.shape):
         raise ValueError(f"FP8 tensor-core products need widths that are multiples of 16, got {tuple(weight.shape)}")
     _check_bias(weight, bias)
-    codes, scales = quantize_rows(x)
-    if x.shape[0] <= TRITON_MAX_ROWS:
+    codes, scales = (x.codes, x.scales) if quantized else quantize_rows(x)
+    if codes.shape[0] <= TRITON_MAX_ROWS:
         return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile)
     out = torch._scaled_mm(codes, weight.t(), scale_a=scales[:, None], scale_b=weight_scale[None, :],
                            out_dtype=torch.bfloat16)

@@ -128,6 +128,11 @@ def scales_for_rows(scale: torch.Tensor, rows: int, columns: int, scale_columns:
     return per_row[:, 0].contiguous() if scale_columns is None else per_row.contiguous()
 
 
+def _runs_cuda_kernels(device: torch.device) -> bool:
+    """Whether forwards on ``device`` run the Triton FP8 kernels (CUDA) rather than the reference path."""
+    return device.type == "cuda"
+
+
 @functools.cache
 def _fp8_matmul():
     """``graphrt.kernels.fp8_matmul``, imported on first use: it imports Triton, which only CUDA
@@ -183,15 +188,37 @@ class Fp8Linear(nn.Module):
         """[out, in] in ``dtype``: ``Q * scale`` in float32, rounded once."""
         return dequantize(self.weight, self.weight_scale, self.scale_columns).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out] in x's dtype."""
-        if x.is_cuda and self.scale_columns is None:
+    def _cuda_path(self, rows: int, device: torch.device):
+        """(takes FP8 activations, the rows kernel's tile) for a forward of ``rows`` tokens on ``device``,
+        or None off the CUDA kernels (CPU, block scales): the reference path."""
+        if not _runs_cuda_kernels(device) or self.scale_columns is not None:
+            return None
+        kernels = _fp8_matmul()
+        tile = kernels.rows_tile(rows, self.out_features, self.in_features, kernels.multiprocessors(device))
+        fp8_activations = self.tensor_cores and rows > 1 and not (
+            rows <= self.w8a16_max_tokens and kernels.w8a16_is_faster(tile))
+        return fp8_activations, tile
+
+    def takes_quantized_input(self, rows: int, device: torch.device) -> bool:
+        """Whether a forward of ``rows`` tokens on ``device`` quantises its input per token (FP8 tensor
+        cores), so that the kernel producing that input may quantise it instead (``QuantizedRows``)."""
+        path = self._cuda_path(rows, device)
+        return path is not None and path[0]
+
+    def forward(self, x):
+        """x: [T, in] -> [T, out] in x's dtype. x may be ``fp8_matmul.QuantizedRows`` (codes and per-token
+        scales from the kernel that produced it) where ``takes_quantized_input`` says so."""
+        path = self._cuda_path(x.shape[0], x.device)
+        if path is not None:
+            fp8_activations, tile = path
             kernels = _fp8_matmul()
-            rows = x.shape[0]
-            tile = kernels.rows_tile(rows, self.out_features, self.in_features, kernels.multiprocessors(x.device))
-            if self.tensor_cores and rows > 1 and not (rows <= self.w8a16_max_tokens and kernels.w8a16_is_faster(tile)):
+            if fp8_activations:
                 return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias, tile=tile)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"this layer takes 16-bit activations for {x.shape[0]} tokens, not quantized rows")
             return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias, tile=tile)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError("quantized rows need the CUDA FP8 kernels with row scales")
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -53,10 +53,13 @@ class RMSNorm(nn.Module):
         else:
             self._norm = rms_norm_torch
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> normed [T, hidden]; with ``residual``: (normed sum, sum)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False):
+        """x: [T, hidden] -> normed [T, hidden]; with ``residual``: (normed sum, sum). ``quantize`` (the
+        fused kernel only): normed as ``fp8_matmul.QuantizedRows``, codes with per-token scales."""
+        if quantize:
+            if self._norm is rms_norm_torch:
+                raise ValueError("a quantized norm output needs the fused kernel (fused=True)")
+            return self._norm(x, self.weight, self.eps, residual, quantize=True)
         return self._norm(x, self.weight, self.eps, residual)
 
 

@@ -56,6 +56,13 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype, device, poli
                      tensor_cores=policy.fp8_tensor_cores, w8a16_max_tokens=policy.w8a16_max_tokens)
 
 
+def _quantizes_input(linear: nn.Module, rows: int, device: torch.device, policy: KernelPolicy) -> bool:
+    """Whether the fused kernel producing ``linear``'s input should write it as FP8 codes with per-token
+    scales (``fp8_matmul.QuantizedRows``): the layer would quantise it first (FP8 tensor cores), and a
+    producer that quantises its own output saves that launch."""
+    return policy.fused and isinstance(linear, Fp8Linear) and linear.takes_quantized_input(rows, device)
+
+
 def _row_scales(linear: nn.Module) -> torch.Tensor | None:
     """The per-row scales the GEMV kernels take with an FP8 weight; None for a 16-bit one."""
     return linear.row_scales if isinstance(linear, Fp8Linear) else None
@@ -99,8 +106,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
                 input_norm: RMSNorm | None = None) -> torch.Tensor:
-        """positions: [T] int64; hidden: [T, hidden], the normalised input -> attention output [T, q],
-        before the output projection. Stores this step's k and v in ``kv_cache``.
+        """positions: [T] int64; hidden: [T, hidden], the normalised input (or, fused kernels on FP8 tensor
+        cores, its ``QuantizedRows``) -> attention output [T, q], before the output projection. Stores
+        this step's k and v in ``kv_cache``.
 
         ``input_norm`` (GEMV layers, fused kernels): ``hidden`` is the residual stream instead, and one
         kernel normalises it, projects it to q, k and v, rotates them and stores k and v."""
@@ -146,14 +154,19 @@ class LlamaMLP(nn.Module):
         # gate and up in one GEMM: rows [0, I) are gate, [I, 2I) up.
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device, policy)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, device, policy)
+        self.policy = policy
         self._activation = silu_and_mul_torch
         if policy.fused:
             from graphrt.kernels.activation import silu_and_mul
 
             self._activation = silu_and_mul
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._activation(self.gate_up_proj(hidden)))
+    def forward(self, hidden) -> torch.Tensor:
+        """hidden: [T, hidden] normalised (or its ``QuantizedRows``) -> [T, hidden]."""
+        gate_up = self.gate_up_proj(hidden)
+        if _quantizes_input(self.down_proj, gate_up.shape[0], gate_up.device, self.policy):
+            return self.down_proj(self._activation(gate_up, quantize=True))
+        return self.down_proj(self._activation(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -190,13 +203,17 @@ class LlamaDecoderLayer(nn.Module):
         four GEMMs, two norms, rotary + cache write, SiLU * up and attention."""
         if self.policy.runs_gemv(positions.shape[0]):
             return self._forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
+        # A norm whose output feeds an FP8 x FP8 product writes it quantised (one launch fewer a product).
+        rows, device, policy = positions.shape[0], positions.device, self.policy
+        quantize = _quantizes_input(self.self_attn.qkv_proj, rows, device, policy)
         if residual is None:
             residual = hidden
-            normed = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, quantize=quantize)
         else:
-            normed, residual = self.input_layernorm(hidden, residual)
+            normed, residual = self.input_layernorm(hidden, residual, quantize=quantize)
         attended = self.self_attn.o_proj(self.self_attn(positions, normed, kv_cache, attn_metadata))
-        normed, residual = self.post_attention_layernorm(attended, residual)
+        quantize = _quantizes_input(self.mlp.gate_up_proj, rows, device, policy)
+        normed, residual = self.post_attention_layernorm(attended, residual, quantize=quantize)
         return self.mlp(normed), residual
 
     def _forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
