@@ -14,6 +14,7 @@
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
+#   profile-fp8                        graphrt profile of the FP8 points above their targets (notes_fp8.md)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
 #   paged-decode                       bench_paged_decode.py: the attention kernel against HBM bandwidth
 #   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
@@ -104,6 +105,19 @@ for stage in $stages; do
         graphrt profile --model "random:$1" --batch-size "$2" --context "$3" --trace "/tmp/trace_$1_b$2_$3.json.gz" \
           --json "$OUT/exposed_$1_b$2${suffix}_$TAG.json" > "$OUT/exposed_$1_b$2${suffix}_$TAG.txt" || status=1
         head -45 "$OUT/exposed_$1_b$2${suffix}_$TAG.txt"
+      done
+      ;;
+    profile-fp8)
+      # model batch context cache: the FP8 points whose step stays above the issue's target, and the FP8 cache
+      for spec in "llama-3-8b 1 512 auto" "llama-3-8b 8 512 auto" "llama-3-8b 64 512 auto" "llama-3.2-1b 1 512 auto" \
+                  "llama-3-8b 64 4096 fp8"; do
+        set -- $spec
+        suffix=$([ "$3" = 512 ] && echo "" || echo "_ctx$3")$([ "$4" = fp8 ] && echo _kvfp8)
+        log "graphrt profile $1, FP8 weights, cache $4, batch $2 context $3"
+        graphrt profile --model "random:$1" --quantization fp8 --kv-cache-dtype "$4" --batch-size "$2" --context "$3" \
+          --trace "/tmp/trace_fp8_$1_b$2_$3.json.gz" --top 25 --json "$OUT/exposed_fp8_$1_b$2${suffix}_$TAG.json" \
+          > "$OUT/exposed_fp8_$1_b$2${suffix}_$TAG.txt" || status=1
+        head -60 "$OUT/exposed_fp8_$1_b$2${suffix}_$TAG.txt"
       done
       ;;
     gemv)
