@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
                      "none) from the largest key and value of the first prefill, which then runs twice; the "
                      "decode graphs are captured after it")
+    gen.add_argument("--speculative", default=None, metavar="ngram:K",
+                     help="speculative decoding: each decoding sequence drafts up to K tokens by prompt lookup "
+                     "(copied from its own prompt and output) and one decode step verifies them; the output is "
+                     "the output without it (steps then run synchronously)")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "
@@ -224,7 +228,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
-        check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales, **kernel_options(args),
+        check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales,
+        speculative=args.speculative, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

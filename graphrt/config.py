@@ -11,6 +11,7 @@ import torch
 from graphrt.base.checks import is_count
 from graphrt.base.errors import ConfigError
 from graphrt.models.fp8 import QUANTIZATIONS
+from graphrt.speculative.config import speculative_config
 
 _DTYPES = {
     "float32": torch.float32,
@@ -132,6 +133,11 @@ class EngineConfig:
     #: first request waits for both. The first batch decides the scales for good: later values beyond
     #: 4x its maxima saturate.
     calibrate_kv_scales: bool = False
+    #: Speculative decoding (``graphrt.speculative``): None (off), ``{"method": "ngram", "num_tokens": k}``
+    #: (or the CLI's ``"ngram:k"``, or a ``SpeculativeConfig``): each decoding sequence drafts up to k
+    #: tokens by prompt lookup and one decode step verifies them; the output is the output without it.
+    #: Steps then run synchronously (no pipelined decode). Resolved to a ``SpeculativeConfig``.
+    speculative: Any = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -157,6 +163,9 @@ class EngineConfig:
         if self.calibrate_kv_scales and self.kv_cache_dtype != "fp8":
             raise ConfigError("calibrate_kv_scales (--calibrate-kv-scales) needs kv_cache_dtype='fp8' "
                               "(--kv-cache-dtype fp8): a cache in the model dtype has no scales")
+        self.speculative = speculative_config(self.speculative)
+        if self.speculative is not None and self.async_decode:
+            raise ConfigError("speculative decoding runs synchronous steps: async_decode=True cannot pipeline them")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")

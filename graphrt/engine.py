@@ -31,8 +31,14 @@ from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
 from graphrt.scheduler import Scheduler
 from graphrt.sequence import Sequence
+from graphrt.speculative.drafting import Drafter, SpeculativeStats
 
 logger = logging.getLogger(__name__)
+
+#: Most rows a verify step decodes (each sequence's own row and one per draft token): the decode runner's
+#: static buffers hold this many rows (its float32 logits [rows, vocab] among them); drafts are trimmed
+#: to fit.
+MAX_VERIFY_ROWS = 256
 
 #: Longest single sequence the GPU memory profile prefills (the batch is split into such sequences).
 _PROFILE_SEQ_LEN = 2048
@@ -87,11 +93,15 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             self.model_config, self.attention_backend, num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
+        # A verify step decodes a row per draft token besides each sequence's own (graphrt.speculative.drafting).
+        speculative = config.speculative
+        decode_rows = config.max_num_seqs if speculative is None else max(
+            config.max_num_seqs, min(config.max_num_seqs * (speculative.num_tokens + 1), MAX_VERIFY_ROWS))
         self.decode_runner = DecodeGraphRunner(
             self.model, kv_caches, self.attention_backend,
             block_size=config.block_size,
             max_seq_len=min(config.max_capture_seq_len or self.max_model_len, self.max_model_len),
-            max_batch_size=config.max_num_seqs,
+            max_batch_size=decode_rows,
             capture_sizes=config.capture_sizes,
             enforce_eager=config.enforce_eager,
             max_logprobs=config.max_logprobs,
@@ -110,7 +120,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
                                   kv_scales_pending=self.calibrate_kv_scales, progress=progress)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
-        self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
+        self.async_decode = (self.device.type == "cuda" and speculative is None if config.async_decode is None
+                             else config.async_decode)
+        #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
+        self.drafter = None if speculative is None else Drafter(speculative, self.block_manager, self.max_model_len,
+                                                                decode_rows)
         self._in_flight: _InFlightDecode | None = None
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -216,6 +230,8 @@ class LLMEngine:
         if self.async_decode and scheduled.decodes and not scheduled.prefills:
             self._in_flight = _InFlightDecode(scheduled.decodes, self.runner.launch_decode(scheduled.decodes))
             return []
+        if self.drafter is not None and scheduled.decodes:
+            return self._step_speculative(scheduled.prefills, scheduled.decodes)
         seqs = scheduled.prefills + scheduled.decodes
         try:
             token_ids, logprobs = self.runner.execute(scheduled.prefills, scheduled.decodes)
@@ -224,6 +240,39 @@ class LLMEngine:
             self.scheduler.requeue_prefills(scheduled.prefills)
             raise
         return self._record_tokens(seqs, token_ids, logprobs)
+
+    def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[RequestOutput]:
+        """The step's prefills, then one verify of the decodes with their drafts; each decode appends the
+        tokens verification kept (one at least), up to a stop condition."""
+        with nvtx.range("propose"):
+            drafts = self.drafter.propose(decodes)
+        try:
+            token_ids, logprobs = self.runner.execute(prefills, []) if prefills else ([], [])
+            sampled, scored = self.runner.verify(decodes, drafts)
+        except BaseException:
+            self.scheduler.requeue_prefills(prefills)
+            raise
+        for seq, token_id, token_logprobs in zip(prefills, token_ids, logprobs):
+            seq.append_token(token_id, self.max_model_len, token_logprobs)
+        for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
+            kept = self.drafter.kept_tokens(seq, draft, row_tokens)
+            for token_id, token_logprobs in zip(kept, row_logprobs):
+                seq.append_token(token_id, self.max_model_len, token_logprobs)
+                if seq.is_finished:
+                    break
+            # The K/V of every appended token but the newest is in the cache (the newest is the next input).
+            seq.num_computed_tokens = seq.num_tokens - 1
+        seqs = prefills + decodes
+        outputs = [self._output_of(seq) for seq in seqs]
+        for seq in self.scheduler.finish_step(seqs):
+            self.drafter.forget(seq)
+            del self._requests[seq.request_id]
+        return outputs
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Speculative decoding's counts since the engine started (None without it)."""
+        return None if self.drafter is None else self.drafter.stats
 
     def _step_pipelined(self, in_flight: _InFlightDecode) -> list[RequestOutput]:
         """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens.
@@ -404,6 +453,8 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
+            speculative=None if self.drafter is None else dataclasses.replace(
+                self.drafter.request_stats.get(seq.seq_id, SpeculativeStats())),
         )
 
     def _resolve_max_model_len(self) -> int:

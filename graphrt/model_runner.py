@@ -77,6 +77,24 @@ class ModelRunner:
                 seq.num_computed_tokens = seq.num_tokens
         return tokens, logprobs
 
+    def verify(self, decodes: list[Sequence], drafts: list[list[int]]
+               ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """One decode step over each sequence's newest token and its draft (``graphrt.speculative.drafting``:
+        ``len(draft) + 1`` virtual rows a sequence, consecutive positions, one block table, which must
+        already cover them); returns per sequence the target's token of each row, and their logprobs
+        (None where the request did not ask). Advances nothing: the caller appends what it keeps and
+        sets ``num_computed_tokens``."""
+        rows = [len(draft) + 1 for draft in drafts]
+        with nvtx.range("verify"), nvtx.decode(sum(rows)):
+            pending = self.decode_runner.launch(self._decode_batch(decodes, drafts=drafts))
+            tokens, logprobs = pending.result(), pending.logprobs()
+        sampled, scored, start = [], [], 0
+        for count in rows:
+            sampled.append(tokens[start:start + count])
+            scored.append(logprobs[start:start + count])
+            start += count
+        return sampled, scored
+
     def launch_decode(self, decodes: list[Sequence], ahead_from: list[int] | None = None) -> PendingTokens:
         """Queue the decode of ``decodes`` without waiting for it (``DecodeGraphRunner.launch``).
 
@@ -96,19 +114,29 @@ class ModelRunner:
         longest = max((seq.num_tokens + 1 for seq in decodes), default=0)
         return self.decode_runner.can_carry(ahead_from, longest)
 
-    def _decode_batch(self, decodes: list[Sequence], ahead: bool = False) -> DecodeBatch:
-        """The decode of each sequence's newest token (``ahead``: of the token after it, see ``launch_decode``)."""
+    def _decode_batch(self, decodes: list[Sequence], ahead: bool = False,
+                      drafts: list[list[int]] | None = None) -> DecodeBatch:
+        """The decode of each sequence's newest token (``ahead``: of the token after it, see
+        ``launch_decode``); with ``drafts``, each sequence's row followed by one row per draft token,
+        at the next positions, sampling the next output indices (``verify``)."""
         offset = int(ahead)
-        positions = [seq.num_tokens - 1 + offset for seq in decodes]
+        rows: list[tuple[Sequence, int, int]] = []  # (sequence, input id, offset past its newest position)
+        for index, seq in enumerate(decodes):
+            rows.append((seq, 0 if ahead else seq.last_token_id, offset))
+            if drafts is not None:
+                rows.extend((seq, token, 1 + j) for j, token in enumerate(drafts[index]))
+        tables = {seq.seq_id: (self.block_manager.block_table(seq.seq_id), self.block_manager.table_version(seq.seq_id))
+                  for seq in decodes}
+        positions = [seq.num_tokens - 1 + past for seq, _, past in rows]
         return DecodeBatch(
-            input_ids=[0] * len(decodes) if ahead else [seq.last_token_id for seq in decodes],
+            input_ids=[token for _, token, _ in rows],
             positions=positions,
-            block_tables=[self.block_manager.block_table(seq.seq_id) for seq in decodes],
-            slot_mapping=[self.block_manager.slot(seq.seq_id, p) for seq, p in zip(decodes, positions)],
-            params=[seq.params for seq in decodes],
-            seeds=[seq.seed for seq in decodes],
-            steps=[len(seq.output_token_ids) + offset for seq in decodes],
-            block_table_versions=[self.block_manager.table_version(seq.seq_id) for seq in decodes],
+            block_tables=[tables[seq.seq_id][0] for seq, _, _ in rows],
+            slot_mapping=[self.block_manager.slot(seq.seq_id, p) for (seq, _, _), p in zip(rows, positions)],
+            params=[seq.params for seq, _, _ in rows],
+            seeds=[seq.seed for seq, _, _ in rows],
+            steps=[len(seq.output_token_ids) + past for seq, _, past in rows],
+            block_table_versions=[tables[seq.seq_id][1] for seq, _, _ in rows],
         )
 
     @torch.inference_mode()

