@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
                      "none) from the largest key and value of the first prefill, which then runs twice; the "
                      "decode graphs are captured after it")
-    gen.add_argument("--speculative", default=None, metavar="ngram:K",
-                     help="speculative decoding: each decoding sequence drafts up to K tokens by prompt lookup "
-                     "(copied from its own prompt and output) and one decode step verifies them; the output is "
-                     "the output without it (steps then run synchronously)")
+    gen.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
+                     help="speculative decoding: each decoding sequence drafts up to K tokens, by prompt lookup "
+                     "(ngram: copied from its own prompt and output) or with a draft model that has the target's "
+                     "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
+                     "without it (steps then run synchronously)")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "

@@ -134,9 +134,10 @@ class EngineConfig:
     #: 4x its maxima saturate.
     calibrate_kv_scales: bool = False
     #: Speculative decoding (``graphrt.speculative``): None (off), ``{"method": "ngram", "num_tokens": k}``
-    #: (or the CLI's ``"ngram:k"``, or a ``SpeculativeConfig``): each decoding sequence drafts up to k
-    #: tokens by prompt lookup and one decode step verifies them; the output is the output without it.
-    #: Steps then run synchronously (no pipelined decode). Resolved to a ``SpeculativeConfig``.
+    #: or ``{"method": "draft", "model": PATH_OR_PRESET, "num_tokens": k}`` (or the CLI's ``"ngram:k"`` /
+    #: ``"draft:MODEL:k"``, or a ``SpeculativeConfig``): each decoding sequence drafts up to k tokens, by
+    #: prompt lookup or with the draft model, and one decode step verifies them; the output is the output
+    #: without it. Steps then run synchronously (no pipelined decode). Resolved to a ``SpeculativeConfig``.
     speculative: Any = None
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
 from graphrt.scheduler import Scheduler
 from graphrt.sequence import Sequence
+from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, SpeculativeStats
 
 logger = logging.getLogger(__name__)
@@ -77,16 +78,12 @@ class LLMEngine:
             self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
             self._check_fp8_device()
             self.dependent_launch = self._resolve_dependent_launch()
-            try:
-                model = LlamaForCausalLM(
-                    self.model_config, self.attention_backend, self.max_model_len, self.dtype, self.device,
-                    fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch,
-                    quantization=self.quantization,
-                )
-            except ValueError as exc:  # e.g. a head size the attention backend cannot run
-                raise ConfigError(f"cannot build {self.model_config.architecture}: {exc}") from None
-            load_weights_into(model, checkpoint, progress=progress)
-        self.model = model.eval()
+            self.model = self._build_model(checkpoint, self.quantization, progress)
+            speculative = config.speculative
+            #: With a draft model (``speculative`` method "draft"): it, built like the target.
+            self.draft_model_weights = None
+            if speculative is not None and speculative.method == "draft":
+                self.draft_model_weights = self._build_draft_model(speculative, progress)
 
         num_blocks = self._choose_num_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size)
@@ -94,7 +91,6 @@ class LLMEngine:
             self.model_config, self.attention_backend, num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
         # A verify step decodes a row per draft token besides each sequence's own (graphrt.speculative.drafting).
-        speculative = config.speculative
         decode_rows = config.max_num_seqs if speculative is None else max(
             config.max_num_seqs, min(config.max_num_seqs * (speculative.num_tokens + 1), MAX_VERIFY_ROWS))
         self.decode_runner = DecodeGraphRunner(
@@ -123,8 +119,11 @@ class LLMEngine:
         self.async_decode = (self.device.type == "cuda" and speculative is None if config.async_decode is None
                              else config.async_decode)
         #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
-        self.drafter = None if speculative is None else Drafter(speculative, self.block_manager, self.max_model_len,
-                                                                decode_rows)
+        self.drafter = None
+        self._draft_decode_runner: DecodeGraphRunner | None = None
+        if speculative is not None:
+            draft = None if self.draft_model_weights is None else self._draft_model(num_blocks, progress)
+            self.drafter = Drafter(speculative, self.block_manager, self.max_model_len, decode_rows, draft)
         self._in_flight: _InFlightDecode | None = None
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -139,6 +138,49 @@ class LLMEngine:
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
             ", KV scales to calibrate over the first prefill" if self.calibrate_kv_scales else "",
         )
+
+    def _build_model(self, checkpoint, quantization: str | None, progress: bool) -> LlamaForCausalLM:
+        """A checkpoint's model on the engine's device, dtype and kernels, weights loaded."""
+        try:
+            model = LlamaForCausalLM(
+                checkpoint.config, self.attention_backend, self.max_model_len, self.dtype, self.device,
+                fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch, quantization=quantization,
+            )
+        except ValueError as exc:  # e.g. a head size the attention backend cannot run
+            raise ConfigError(f"cannot build {checkpoint.config.architecture}: {exc}") from None
+        load_weights_into(model, checkpoint, progress=progress)
+        return model.eval()
+
+    def _build_draft_model(self, speculative, progress: bool) -> LlamaForCausalLM:
+        """The draft model of ``speculative`` (method "draft"), in the target's dtype and kernels; its
+        vocabulary must be the target's and its positions reach max_model_len."""
+        checkpoint = open_checkpoint(speculative.model, **speculative.loader_options)
+        config = checkpoint.config
+        if config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(f"speculative: the draft model's vocabulary ({config.vocab_size} tokens) is not the "
+                              f"target's ({self.model_config.vocab_size}); a draft model needs the same tokenizer")
+        if config.max_position_embeddings < self.max_model_len:
+            raise ConfigError(f"speculative: the draft model reaches {config.max_position_embeddings} positions, "
+                              f"less than max_model_len {self.max_model_len}")
+        quantization = "fp8" if config.fp8_checkpoint else None
+        return self._build_model(checkpoint, quantization, progress)
+
+    def _draft_model(self, num_blocks: int, progress: bool) -> DraftModel:
+        """The draft model's cache (as many blocks as the target's), block tables, decode graphs and runner."""
+        model, cfg = self.draft_model_weights, self.config
+        kv_caches = allocate_kv_caches(model.config, self.attention_backend, num_blocks, cfg.block_size,
+                                       self.kv_cache_dtype, self.device)
+        block_manager = BlockManager(num_blocks, cfg.block_size)
+        self._draft_decode_runner = DecodeGraphRunner(
+            model, kv_caches, self.attention_backend, block_size=cfg.block_size,
+            max_seq_len=min(cfg.max_capture_seq_len or self.max_model_len, self.max_model_len),
+            max_batch_size=cfg.max_num_seqs, capture_sizes=cfg.capture_sizes, enforce_eager=cfg.enforce_eager,
+            max_logprobs=0, device=self.device,
+        )
+        self._draft_decode_runner.capture(progress=progress)
+        runner = ModelRunner(model, kv_caches, self.attention_backend, block_manager, self._draft_decode_runner,
+                             progress=progress)
+        return DraftModel(runner, block_manager)
 
     def _check_fp8_device(self) -> None:
         """FP8 weights or an fp8 cache on CUDA need compute capability 8.9+: Triton has no E4M3 type
@@ -362,6 +404,10 @@ class LLMEngine:
             self.decode_runner.close()
             self.runner.kv_caches.clear()  # the list the model runner and the graph runner share
             self.model.release_weights()
+            if self._draft_decode_runner is not None:
+                self._draft_decode_runner.close()
+                self.drafter.draft_model.runner.kv_caches.clear()
+                self.draft_model_weights.release_weights()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             else:
@@ -489,6 +535,8 @@ class LLMEngine:
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.gpu_memory_utilization) - peak - held_elsewhere
         per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        if self.draft_model_weights is not None:  # the draft model's cache gets as many blocks
+            per_block += bytes_per_block(self.draft_model_weights.config, self.config.block_size, self.kv_cache_dtype)
         if budget < 2 * per_block:
             raise ConfigError(
                 f"no GPU memory left for the KV cache (weights and activations peak at {peak / 2**30:.2f} GiB); "

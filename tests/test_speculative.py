@@ -66,8 +66,12 @@ def test_speculative_option_forms_and_bad_values():
         "ngram", 2, ngram_max=5)
     assert speculative_config(None) is None
     assert EngineConfig(speculative="ngram:3").speculative == SpeculativeConfig("ngram", 3)
-    for bad, message in (("ngram", "not METHOD:NUM_TOKENS"), ("ngram:x", "not an integer"),
-                         ("draft:4", "unknown method 'draft'"), ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
+    assert speculative_config("draft:random:tiny:3") == SpeculativeConfig("draft", 3, model="random:tiny")
+    for bad, message in (("ngram", "not ngram:NUM_TOKENS"), ("ngram:x", "not an integer"),
+                         ("draft:4", "not ngram:NUM_TOKENS or draft:MODEL"), ("eagle:4", "unknown method 'eagle'"),
+                         ({"method": "draft", "num_tokens": 2}, "needs a model"),
+                         ({"method": "ngram", "model": "random:tiny"}, "needs a model"),
+                         ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
                          ({"num_tokens": 2, "depth": 3}, "unknown field"),
                          ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), (4, "must be None, a dict")):
         with pytest.raises(ConfigError, match=message):
@@ -139,3 +143,42 @@ def test_speculation_under_preemption_stop_tokens_and_logprobs(monkeypatch):
         assert len(got.logprobs) == len(got.token_ids)
         for a, b in zip(got.logprobs, want.logprobs):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def _draft(seed: int, num_tokens: int = 3) -> dict:
+    """A draft model: the target itself (seed 0, the same random weights) or another random model."""
+    return {"method": "draft", "model": "random:tiny", "num_tokens": num_tokens,
+            "loader_options": {"init_std": 0.2, "seed": seed}}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_draft_model_that_is_the_target_drafts_everything_the_target_keeps(sampling):
+    """The draft draws with the request's seed and output index, so a draft model equal to the target
+    drafts the target's own tokens: every draft kept, about k + 1 tokens a verify."""
+    params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=11, max_tokens=24, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    with _llm(speculative=_draft(seed=0)) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.speculative_stats
+    assert [out.token_ids for out in outs] == plain
+    assert stats.accepted_tokens == stats.proposed_tokens > 0 and stats.tokens_per_step > 3.5
+
+
+def test_another_draft_model_changes_nothing_but_the_acceptance():
+    """A draft model that disagrees (other random weights), with too few blocks (preemption; the draft's
+    shadows rebuilt): the output without speculation, the misses pausing the drafts."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    with _llm(speculative=_draft(seed=1), num_kv_blocks=30) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.speculative_stats
+    assert [out.token_ids for out in outs] == plain
+    assert sum(out.num_preemptions for out in outs) > 0
+    assert stats.proposed_tokens < stats.verify_steps  # paused after misses: fewer than a token a verify
+
+
+def test_a_draft_model_needs_the_targets_vocabulary():
+    with pytest.raises(ConfigError, match="vocabulary \\(49152 tokens\\) is not the target's \\(512\\)"):
+        _llm(speculative={"method": "draft", "model": "random:smollm2-135m", "num_tokens": 2})

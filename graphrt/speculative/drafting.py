@@ -1,5 +1,5 @@
-"""The engine's side of speculative decoding: how many tokens each sequence drafts, the blocks its draft
-positions need, and which drafted tokens the target keeps.
+"""The engine's side of speculative decoding: how many tokens each sequence drafts (by prompt lookup or
+a draft model), the blocks its draft positions need, and which drafted tokens the target keeps.
 
 Verification is a decode step over virtual rows: a sequence with draft ``d_1 .. d_k`` decodes k + 1
 rows, row j taking token ``d_j`` (row 0 its newest token) at position ``L - 1 + j`` with ``L`` its
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from graphrt.block_manager import BlockManager
 from graphrt.sequence import Sequence
 from graphrt.speculative.config import SpeculativeConfig
+from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.ngram import NgramIndex
 
 #: Steps a sequence stops drafting after consecutive verifies that kept no draft token: doubled on each
@@ -59,8 +60,9 @@ class DraftLength:
 
 @dataclass
 class SpeculativeStats:
-    """Counts since the engine started (``Engine.speculative_stats``) or for one request
-    (``RequestOutput.speculative``): verify steps, draft tokens proposed and kept, tokens produced."""
+    """Counts since the engine started (``LLMEngine.speculative_stats``) or for one request
+    (``RequestOutput.speculative``): verifications (a sequence in a verify step, with or without a draft),
+    draft tokens proposed and kept, tokens produced."""
 
     verify_steps: int = 0
     proposed_tokens: int = 0
@@ -74,7 +76,7 @@ class SpeculativeStats:
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens produced a verify step (1 without drafts)."""
+        """Tokens produced a verification (1 without drafts)."""
         return self.produced_tokens / self.verify_steps if self.verify_steps else 0.0
 
     def add(self, proposed: int, accepted: int, produced: int) -> None:
@@ -89,9 +91,11 @@ class Drafter:
     a sequence's index and draft length live from its first draft until ``forget``."""
 
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
-                 max_rows: int) -> None:
+                 max_rows: int, draft_model: DraftModel | None = None) -> None:
         self.config, self.block_manager = config, block_manager
         self.max_model_len, self.max_rows = max_model_len, max_rows
+        #: With method "draft": the model that drafts (else prompt lookup does).
+        self.draft_model = draft_model
         self._indexes: dict[int, NgramIndex] = {}
         self._lengths: dict[int, DraftLength] = {}
         self.stats = SpeculativeStats()
@@ -103,19 +107,23 @@ class Drafter:
         always the target's own), the step's rows stay within ``max_rows`` (earlier sequences first),
         and a sequence whose draft positions need blocks the cache lacks drafts nothing (no preemption
         for speculation)."""
-        drafts: list[list[int]] = []
+        lengths: list[int] = []
         spare_rows = self.max_rows - len(seqs)
         for seq in seqs:
             length = self._length(seq).next()
             room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             length = max(0, min(length, room, spare_rows))
-            draft = self._index(seq).propose(length) if length else []
+            spare_rows -= length
+            lengths.append(length)
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(seqs, lengths)
+        else:
+            drafts = [self._index(seq).propose(length) if length else [] for seq, length in zip(seqs, lengths)]
+        for index, (seq, draft) in enumerate(zip(seqs, drafts)):
             if draft and not self.block_manager.can_grow(seq.seq_id, seq.num_tokens + len(draft)):
-                draft = []
-            if draft:
+                drafts[index] = []
+            elif draft:
                 self.block_manager.grow(seq.seq_id, seq.num_tokens + len(draft))
-                spare_rows -= len(draft)
-            drafts.append(draft)
         return drafts
 
     def kept_tokens(self, seq: Sequence, draft: list[int], sampled: list[int]) -> list[int]:
@@ -132,7 +140,9 @@ class Drafter:
         return tokens
 
     def forget(self, seq: Sequence) -> None:
-        """Drop a finished sequence's index, draft length and statistics."""
+        """Drop a finished sequence's index (or draft-model shadow), draft length and statistics."""
+        if self.draft_model is not None:
+            self.draft_model.forget(seq)
         self._indexes.pop(seq.seq_id, None)
         self._lengths.pop(seq.seq_id, None)
         self.request_stats.pop(seq.seq_id, None)
