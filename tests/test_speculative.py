@@ -4,6 +4,9 @@ and sampled, across block boundaries, under preemption, with stop tokens and log
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from graphrt import LLM, ConfigError, EngineConfig, SamplingParams
@@ -182,3 +185,31 @@ def test_another_draft_model_changes_nothing_but_the_acceptance():
 def test_a_draft_model_needs_the_targets_vocabulary():
     with pytest.raises(ConfigError, match="vocabulary \\(49152 tokens\\) is not the target's \\(512\\)"):
         _llm(speculative={"method": "draft", "model": "random:smollm2-135m", "num_tokens": 2})
+
+
+def test_kept_draft_tokens_follow_the_targets_distribution(monkeypatch):
+    """Statistically, on a 3-token vocabulary (top_k=3, temperature 1): requests that drew token m, then
+    the drafted A, keep the draft's next row's token; its frequencies over 3000 seeds match the target's
+    top-3 distribution after (prompt, m, A) (chi-square, 2 degrees of freedom, p = 0.001)."""
+    prompt = [17, 250, 3, 99, 41]
+    sampled = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    with _llm(max_num_seqs=256, num_kv_blocks=1024, max_model_len=16) as llm:
+        firsts = [out.token_ids[0] for out in llm.generate([prompt] * 400, SamplingParams(
+            temperature=1.0, top_k=3, max_tokens=1, seed=None))]
+        m = max(set(firsts), key=firsts.count)
+        [after_m] = llm.generate([prompt + [m]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))
+        a = after_m.token_ids[0]
+        [after_a] = llm.generate([prompt + [m, a]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))
+    top = after_a.logprobs[0].top  # the three most likely tokens and their log probabilities
+    weights = {token: math.exp(logprob) for token, logprob in top}
+    expected = {token: w / sum(weights.values()) for token, w in weights.items()}
+    monkeypatch.setattr(ngram.NgramIndex, "propose",
+                        lambda index, n: [a, 7][:n] if index.tokens == prompt + [m] else [])
+    params = [dataclasses.replace(sampled, seed=seed) for seed in range(3000)]
+    with _llm(speculative="ngram:2", max_num_seqs=256, num_kv_blocks=1024, max_model_len=16) as llm:
+        outs = llm.generate([prompt] * len(params), params)
+        assert llm.engine.speculative_stats.accepted_tokens > 0
+    kept = [out.token_ids[2] for out in outs if out.token_ids[:2] == [m, a]]
+    assert len(kept) > 200
+    chi2 = sum((kept.count(t) - len(kept) * p) ** 2 / (len(kept) * p) for t, p in expected.items())
+    assert set(kept) <= set(expected) and chi2 < 13.8, (chi2, expected, {t: kept.count(t) for t in set(kept)})
