@@ -5,9 +5,10 @@ Scenarios: ``repeat``, the model asked to repeat a given passage of about 300 to
 ``edit``, to repeat it with one word changed throughout (the drafts find the passage in the prompt);
 ``free``, free-form chat questions (few drafts: the adaptive length must keep the cost of the misses
 small). Each at the batch sizes given (the prompts repeated to fill a batch). Prints a table with the
-acceptance rate and tokens per verify step beside each ratio, checks that both engines gave the same
-tokens, and writes ``--json``. Models without a tokenizer get token-id prompts (a random passage,
-then its first half again).
+acceptance rate, tokens per verification and the median verify step (wall, its tokens read) beside
+each ratio, and a plain step (wall per token of a row), checks that both engines gave the same tokens,
+and writes ``--json``. ``--draft-model`` drafts with a model instead of prompt lookup. Models without
+a tokenizer get token-id prompts (a random passage, then its first half again).
 
     python profiles/bench_speculative.py --json speculative.json                 # the default model
     python profiles/bench_speculative.py --model random:llama-3.2-1b --num-tokens 4 --batch-sizes 1 8
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, default_model=None)
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens a step at most (ngram:K)")
+    parser.add_argument("--draft-model", default=None, help="draft with this model instead of prompt lookup "
+                        "(draft:MODEL:K; the target itself, e.g. random:llama-3.2-1b, drafts what it keeps)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--scenarios", nargs="+", default=["repeat", "edit", "free"],
                         choices=["repeat", "edit", "free"])
@@ -98,16 +101,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     options = dict(dtype=args.dtype, device=args.device, progress=False, **kernel_options(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engines = {"plain": LLM(args.model, **options),
-               "ngram": LLM(args.model, speculative=f"ngram:{args.num_tokens}", **options)}
+    method = f"ngram:{args.num_tokens}" if args.draft_model is None else f"draft:{args.draft_model}:{args.num_tokens}"
+    engines = {"plain": LLM(args.model, **options), "ngram": LLM(args.model, speculative=method, **options)}
+    # Each verify step's wall time (it waits for its tokens), to set beside a plain step's.
+    verify_seconds: list[float] = []
+    verify = engines["ngram"].engine.runner.verify
+
+    def timed_verify(*call_args):
+        start = time.perf_counter()
+        result = verify(*call_args)
+        verify_seconds.append(time.perf_counter() - start)
+        return result
+
+    engines["ngram"].engine.runner.verify = timed_verify
     results = []
-    print(f"{'scenario':>8} {'batch':>5} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} {'accepted':>8} "
-          f"{'tok/step':>8} {'same':>5}")
+    print(f"method {method}")
+    print(f"{'scenario':>8} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'accepted':>8} "
+          f"{'tok/step':>8} {'verify ms':>9} {'plain ms':>8} {'same':>5}")
     for scenario in args.scenarios:
         base = scenario_prompts(engines["plain"], scenario)
         for batch in args.batch_sizes:
             prompts = [base[i % len(base)] for i in range(batch)]
             before = dataclasses.replace(engines["ngram"].engine.speculative_stats)
+            verify_seconds.clear()
             seconds, tokens = {}, {}
             for name, llm in engines.items():
                 seconds[name], tokens[name] = run(llm, prompts, params, args.repeats)
@@ -122,18 +138,22 @@ def main(argv: list[str] | None = None) -> None:
                        ngram_tokens_per_s=sum(len(t) for t in tokens["ngram"]) / seconds["ngram"],
                        acceptance_rate=accepted / proposed if proposed else 0.0,
                        tokens_per_verify_step=produced / steps if steps else 0.0,
-                       same_tokens=tokens["plain"] == tokens["ngram"])
+                       same_tokens=tokens["plain"] == tokens["ngram"],
+                       verify_ms_median=(1e3 * sorted(verify_seconds)[len(verify_seconds) // 2]
+                                         if verify_seconds else None),
+                       plain_ms_per_token_row=1e3 * batch / (generated / seconds["plain"]))
             row["speedup"] = row["ngram_tokens_per_s"] / row["plain_tokens_per_s"]
             results.append(row)
             print(f"{scenario:>8} {batch:>5} {row['plain_tokens_per_s']:>11.1f} {row['ngram_tokens_per_s']:>11.1f} "
                   f"{row['speedup']:>6.2f} {row['acceptance_rate']:>8.2f} {row['tokens_per_verify_step']:>8.2f} "
+                  f"{row['verify_ms_median'] or 0:>9.3f} {row['plain_ms_per_token_row']:>8.3f} "
                   f"{str(row['same_tokens']):>5}")
     for llm in engines.values():
         llm.close()
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model or "default", device=device, num_tokens=args.num_tokens,
+            json.dump(dict(model=args.model or "default", device=device, method=method, num_tokens=args.num_tokens,
                            max_tokens=args.max_tokens, rows=results), f, indent=2)
 
 

