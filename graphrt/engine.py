@@ -123,7 +123,9 @@ class LLMEngine:
         self._draft_decode_runner: DecodeGraphRunner | None = None
         if speculative is not None:
             draft = None if self.draft_model_weights is None else self._draft_model(num_blocks, progress)
-            self.drafter = Drafter(speculative, self.block_manager, self.max_model_len, decode_rows, draft)
+            # The rows the decode runner's static buffers hold (fewer than decode_rows with capture_sizes given).
+            self.drafter = Drafter(speculative, self.block_manager, self.max_model_len,
+                                   self.decode_runner.max_batch_size, draft)
         self._in_flight: _InFlightDecode | None = None
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
@@ -154,7 +156,10 @@ class LLMEngine:
     def _build_draft_model(self, speculative, progress: bool) -> LlamaForCausalLM:
         """The draft model of ``speculative`` (method "draft"), in the target's dtype and kernels; its
         vocabulary must be the target's and its positions reach max_model_len."""
-        checkpoint = open_checkpoint(speculative.model, **speculative.loader_options)
+        try:
+            checkpoint = open_checkpoint(speculative.model, **speculative.loader_options)
+        except (GraphrtError, OSError, TypeError) as error:
+            raise ConfigError(f"speculative: the draft model {speculative.model!r}: {error}") from None
         config = checkpoint.config
         if config.vocab_size != self.model_config.vocab_size:
             raise ConfigError(f"speculative: the draft model's vocabulary ({config.vocab_size} tokens) is not the "
@@ -162,7 +167,8 @@ class LLMEngine:
         if config.max_position_embeddings < self.max_model_len:
             raise ConfigError(f"speculative: the draft model reaches {config.max_position_embeddings} positions, "
                               f"less than max_model_len {self.max_model_len}")
-        quantization = "fp8" if config.fp8_checkpoint else None
+        # FP8 when the target is quantised, or the draft's checkpoint is FP8 (as the target's would be).
+        quantization = "fp8" if config.fp8_checkpoint or self.config.quantization == "fp8" else None
         return self._build_model(checkpoint, quantization, progress)
 
     def _draft_model(self, num_blocks: int, progress: bool) -> DraftModel:
@@ -286,30 +292,29 @@ class LLMEngine:
     def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[RequestOutput]:
         """The step's prefills, then one verify of the decodes with their drafts; each decode appends the
         tokens verification kept (one at least), up to a stop condition."""
-        with nvtx.range("propose"):
-            drafts = self.drafter.propose(decodes)
         try:
+            with nvtx.range("propose"):
+                drafts = self.drafter.propose(decodes)
             token_ids, logprobs = self.runner.execute(prefills, []) if prefills else ([], [])
             sampled, scored = self.runner.verify(decodes, drafts)
         except BaseException:
+            # Decodes stay as they were (their drafts' blocks stay theirs); prompts are prefilled again.
             self.scheduler.requeue_prefills(prefills)
             raise
         for seq, token_id, token_logprobs in zip(prefills, token_ids, logprobs):
             seq.append_token(token_id, self.max_model_len, token_logprobs)
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
-            kept = self.drafter.kept_tokens(seq, draft, row_tokens)
+            kept = self.drafter.kept_tokens(draft, row_tokens)
+            appended = 0
             for token_id, token_logprobs in zip(kept, row_logprobs):
                 seq.append_token(token_id, self.max_model_len, token_logprobs)
+                appended += 1
                 if seq.is_finished:
                     break
+            self.drafter.record(seq, len(draft), len(kept) - 1, appended)
             # The K/V of every appended token but the newest is in the cache (the newest is the next input).
             seq.num_computed_tokens = seq.num_tokens - 1
-        seqs = prefills + decodes
-        outputs = [self._output_of(seq) for seq in seqs]
-        for seq in self.scheduler.finish_step(seqs):
-            self.drafter.forget(seq)
-            del self._requests[seq.request_id]
-        return outputs
+        return self._finish_step(prefills + decodes)
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:
@@ -378,9 +383,16 @@ class LLMEngine:
         outputs."""
         for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
             seq.append_token(token_id, self.max_model_len, token_logprobs)
+        return self._finish_step(seqs)
+
+    def _finish_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The step's outputs; the finished sequences' blocks (and drafting state) released."""
+        outputs = [self._output_of(seq) for seq in seqs]
         for seq in self.scheduler.finish_step(seqs):
+            if self.drafter is not None:
+                self.drafter.forget(seq)
             del self._requests[seq.request_id]
-        return [self._output_of(seq) for seq in seqs]
+        return outputs
 
     def close(self) -> None:
         """Release what the engine holds on its device: the decode graphs and their memory pool, the

@@ -213,3 +213,70 @@ def test_kept_draft_tokens_follow_the_targets_distribution(monkeypatch):
     assert len(kept) > 200
     chi2 = sum((kept.count(t) - len(kept) * p) ** 2 / (len(kept) * p) for t, p in expected.items())
     assert set(kept) <= set(expected) and chi2 < 13.8, (chi2, expected, {t: kept.count(t) for t in set(kept)})
+
+
+def test_a_draft_models_drafts_are_its_own_greedy_continuations(monkeypatch):
+    """With a draft model that mostly agrees (weights drawn at another scale), so that verifies keep
+    all, some or none of a draft and drafting pauses: every draft equals the draft model's own greedy
+    continuation of the sequence, computed afresh. A shadow whose cache kept rejected tokens as valid
+    would draft from a context the sequence does not have."""
+    from graphrt.speculative.draft_model import DraftModel
+
+    options = {"init_std": 0.19}
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    checks = []
+    with _llm(loader_options=options) as alone:
+        propose = DraftModel.propose
+
+        def checked(self, seqs, lengths):
+            drafts = propose(self, seqs, lengths)
+            for seq, draft in zip(seqs, drafts):
+                if draft:
+                    [out] = alone.generate([seq.all_token_ids], dataclasses.replace(params, max_tokens=len(draft)))
+                    checks.append(out.token_ids == draft)
+            return drafts
+
+        monkeypatch.setattr(DraftModel, "propose", checked)
+        draft = {"method": "draft", "model": "random:tiny", "num_tokens": 3, "loader_options": options}
+        with _llm(speculative=draft) as llm:
+            outs = llm.generate(PROMPTS[:3], params)
+            stats = llm.engine.speculative_stats
+    with _llm() as llm:
+        assert [out.token_ids for out in outs] == [out.token_ids for out in llm.generate(PROMPTS[:3], params)]
+    assert len(checks) > 10 and all(checks), checks
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens
+
+
+def test_stops_inside_a_verify_interrupts_and_finished_requests_leave_nothing_behind(monkeypatch):
+    """A stop token inside a verify's kept tokens: the counts say what was appended. An interrupt while
+    drafting: the step's new prompts are prefilled again later (not decoded on an empty cache), the
+    outputs unchanged. Afterwards no drafting state and no draft-model block is left."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    stop = plain[0][6]
+    stopped = dataclasses.replace(params, stop_token_ids=[stop])
+    with _llm() as llm:
+        expected = [out.token_ids for out in llm.generate(PROMPTS, stopped)]
+    with _llm(speculative=_draft(seed=0), num_kv_blocks=40) as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], stopped, request_id="first")
+        engine.step()  # its prefill: it decodes from the next step on
+        for index, prompt in enumerate(PROMPTS[1:], start=1):
+            engine.add_request(prompt, stopped, request_id=str(index))
+        propose = engine.drafter.propose
+        monkeypatch.setattr(engine.drafter, "propose", lambda seqs: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        monkeypatch.setattr(engine.drafter, "propose", propose)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        outs = [finished["first"]] + [finished[str(i)] for i in range(1, len(PROMPTS))]
+        assert [out.token_ids for out in outs] == expected
+        stats = engine.speculative_stats
+        assert stats.produced_tokens == sum(len(out.token_ids) - 1 for out in outs)  # the first is the prefill's
+        draft_blocks = engine.drafter.draft_model.block_manager
+        assert not engine.drafter.request_stats and draft_blocks.num_free_blocks == draft_blocks.num_usable_blocks

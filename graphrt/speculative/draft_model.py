@@ -32,6 +32,19 @@ class DraftModel:
         the blocks it needs drafts nothing this step (its shadow is dropped, to be rebuilt later)."""
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
         active = [(self._synced(seq), length) for seq, length in zip(seqs, lengths) if length > 0]
+        for shadow, _ in active:  # recorded first, so that an interrupted step still leaves a true record
+            self._drafted[shadow.seq_id] = (len(shadow.output_token_ids), drafts[shadow.seq_id])
+        try:
+            self._draft_rounds(active, drafts)
+        finally:
+            for shadow, _ in active:  # the drafts come off again; the next sync keeps what the target kept
+                if shadow.seq_id in self._shadows:
+                    del shadow.output_token_ids[self._drafted[shadow.seq_id][0]:]
+        return [drafts[seq.seq_id] for seq in seqs]
+
+    def _draft_rounds(self, active: list[tuple[Sequence, int]], drafts: dict[int, list[int]]) -> None:
+        """Up to ``length`` forwards for each (shadow, length), each appending a drafted token to the
+        shadow and to ``drafts``."""
         for round_index in range(max((length for _, length in active), default=0)):
             batch = []
             for shadow, length in active:
@@ -39,7 +52,7 @@ class DraftModel:
                     continue
                 if not self.block_manager.can_grow(shadow.seq_id, shadow.num_tokens):
                     self._drop(shadow.seq_id)
-                    drafts[shadow.seq_id] = []
+                    drafts[shadow.seq_id].clear()
                     continue
                 self.block_manager.grow(shadow.seq_id, shadow.num_tokens)
                 batch.append(shadow)
@@ -51,12 +64,6 @@ class DraftModel:
             for shadow, token in zip(catch_up + up_to_date, tokens):
                 shadow.output_token_ids.append(token)
                 drafts[shadow.seq_id].append(token)
-        for seq in seqs:
-            shadow = self._shadows.get(seq.seq_id)
-            if shadow is not None:  # the drafts come off again; the next sync keeps what the target kept
-                del shadow.output_token_ids[len(seq.output_token_ids):]
-                self._drafted[seq.seq_id] = (len(seq.output_token_ids), drafts[seq.seq_id])
-        return [drafts[seq.seq_id] for seq in seqs]
 
     def forget(self, seq: Sequence) -> None:
         """Release a finished sequence's shadow and its blocks."""
@@ -75,7 +82,7 @@ class DraftModel:
             shadow = Sequence(seq.seq_id, seq.request_id, list(seq.prompt_token_ids), params, seq.seed)
             self.block_manager.allocate(seq.seq_id, 0)
             self._shadows[seq.seq_id] = shadow
-        elif seq.seq_id in self._drafted:
+        elif seq.seq_id in self._drafted:  # the last step that drafted (steps between drafted nothing)
             base, draft = self._drafted.pop(seq.seq_id)
             kept = seq.output_token_ids[base:]
             agreed = 0

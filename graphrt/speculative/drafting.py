@@ -27,10 +27,22 @@ from graphrt.speculative.ngram import NgramIndex
 FIRST_PAUSE, MAX_PAUSE = 4, 64
 
 
+def _through_first_stop(seq: Sequence, draft: list[int]) -> list[int]:
+    """``draft`` up to its first stop or end-of-sequence token (included): rows past it would decode
+    for a sequence that has finished."""
+    stops = set(seq.params.stop_token_ids)
+    if not seq.params.ignore_eos:
+        stops.update(seq.eos_token_ids)
+    for index, token in enumerate(draft):
+        if token in stops:
+            return draft[:index + 1]
+    return draft
+
+
 class DraftLength:
-    """A request's next draft length: k after a draft kept whole, one more than it kept after a
-    partial one (so the next verify has one row to spare), and after a verify that kept nothing a
-    pause in drafting that doubles while misses repeat (reset by any kept token)."""
+    """A request's next draft length: one more (up to k) after a draft kept whole, one more than it
+    kept after a partial one (so the next verify has one row to spare), and after a verify that kept
+    nothing a pause in drafting that doubles while misses repeat (reset by any kept token)."""
 
     def __init__(self, max_tokens: int, adaptive: bool) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
@@ -120,24 +132,30 @@ class Drafter:
         else:
             drafts = [self._index(seq).propose(length) if length else [] for seq, length in zip(seqs, lengths)]
         for index, (seq, draft) in enumerate(zip(seqs, drafts)):
+            draft = drafts[index] = _through_first_stop(seq, draft)
             if draft and not self.block_manager.can_grow(seq.seq_id, seq.num_tokens + len(draft)):
                 drafts[index] = []
             elif draft:
                 self.block_manager.grow(seq.seq_id, seq.num_tokens + len(draft))
         return drafts
 
-    def kept_tokens(self, seq: Sequence, draft: list[int], sampled: list[int]) -> list[int]:
-        """The tokens to append from a verify: ``sampled`` holds the target's token of each of the
-        draft's ``len(draft) + 1`` rows; kept are row 0's, then each next row's while the previous
-        one equalled its draft token. Updates the draft length and the statistics."""
+    @staticmethod
+    def kept_tokens(draft: list[int], sampled: list[int]) -> list[int]:
+        """The tokens to append from a verify (``len(kept) - 1`` of them drafts): ``sampled`` holds the
+        target's token of each of the draft's ``len(draft) + 1`` rows; kept are row 0's, then each next
+        row's while the previous one equalled its draft token."""
         kept = 0
         while kept < len(draft) and sampled[kept] == draft[kept]:
             kept += 1
-        tokens = sampled[:kept + 1]
-        self._length(seq).update(len(draft), kept)
-        self.stats.add(len(draft), kept, len(tokens))
-        self.request_stats.setdefault(seq.seq_id, SpeculativeStats()).add(len(draft), kept, len(tokens))
-        return tokens
+        return sampled[:kept + 1]
+
+    def record(self, seq: Sequence, proposed: int, kept: int, appended: int) -> None:
+        """After a verify: ``kept`` of ``proposed`` draft tokens kept, ``appended`` tokens appended (fewer
+        than ``kept + 1`` when a stop condition came first). Updates the draft length and the counts."""
+        self._length(seq).update(proposed, kept)
+        accepted = min(kept, appended)
+        self.stats.add(proposed, accepted, appended)
+        self.request_stats.setdefault(seq.seq_id, SpeculativeStats()).add(proposed, accepted, appended)
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished sequence's index (or draft-model shadow), draft length and statistics."""
