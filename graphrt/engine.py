@@ -93,17 +93,8 @@ class LLMEngine:
         # A verify step decodes a row per draft token besides each sequence's own (graphrt.speculative.drafting).
         decode_rows = config.max_num_seqs if speculative is None else max(
             config.max_num_seqs, min(config.max_num_seqs * (speculative.num_tokens + 1), MAX_VERIFY_ROWS))
-        self.decode_runner = DecodeGraphRunner(
-            self.model, kv_caches, self.attention_backend,
-            block_size=config.block_size,
-            max_seq_len=min(config.max_capture_seq_len or self.max_model_len, self.max_model_len),
-            max_batch_size=decode_rows,
-            capture_sizes=config.capture_sizes,
-            enforce_eager=config.enforce_eager,
-            max_logprobs=config.max_logprobs,
-            check_graphs=config.check_graphs,
-            device=self.device,
-        )
+        self.decode_runner = self._decode_runner(self.model, kv_caches, decode_rows, config.max_logprobs,
+                                                 config.check_graphs)
         # Calibrated KV scales are baked into the decode graphs: they are captured after the first prefill.
         #: Whether the first prefill calibrates KV-cache scales (asked, and some layer lacks a stored one).
         self.calibrate_kv_scales = config.calibrate_kv_scales and any(
@@ -139,6 +130,17 @@ class LLMEngine:
             str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, self.attention_backend.name,
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
             ", KV scales to calibrate over the first prefill" if self.calibrate_kv_scales else "",
+        )
+
+    def _decode_runner(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_batch_size: int,
+                       max_logprobs: int, check_graphs: int = 0) -> DecodeGraphRunner:
+        """Decode graphs of ``model`` over ``kv_caches`` as the config asks (capture sizes, context, eager)."""
+        cfg = self.config
+        return DecodeGraphRunner(
+            model, kv_caches, self.attention_backend, block_size=cfg.block_size,
+            max_seq_len=min(cfg.max_capture_seq_len or self.max_model_len, self.max_model_len),
+            max_batch_size=max_batch_size, capture_sizes=cfg.capture_sizes, enforce_eager=cfg.enforce_eager,
+            max_logprobs=max_logprobs, check_graphs=check_graphs, device=self.device,
         )
 
     def _build_model(self, checkpoint, quantization: str | None, progress: bool) -> LlamaForCausalLM:
@@ -177,12 +179,7 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(model.config, self.attention_backend, num_blocks, cfg.block_size,
                                        self.kv_cache_dtype, self.device)
         block_manager = BlockManager(num_blocks, cfg.block_size)
-        self._draft_decode_runner = DecodeGraphRunner(
-            model, kv_caches, self.attention_backend, block_size=cfg.block_size,
-            max_seq_len=min(cfg.max_capture_seq_len or self.max_model_len, self.max_model_len),
-            max_batch_size=cfg.max_num_seqs, capture_sizes=cfg.capture_sizes, enforce_eager=cfg.enforce_eager,
-            max_logprobs=0, device=self.device,
-        )
+        self._draft_decode_runner = self._decode_runner(model, kv_caches, cfg.max_num_seqs, max_logprobs=0)
         self._draft_decode_runner.capture(progress=progress)
         runner = ModelRunner(model, kv_caches, self.attention_backend, block_manager, self._draft_decode_runner,
                              progress=progress)
