@@ -89,7 +89,7 @@ def run(llm: LLM, prompts: list, params: SamplingParams, repeats: int) -> tuple[
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, default_model=None)
-    parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens a step at most (ngram:K)")
+    parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens a step at most (K)")
     parser.add_argument("--draft-model", default=None, help="draft with this model instead of prompt lookup "
                         "(draft:MODEL:K; the target itself, e.g. random:llama-3.2-1b, drafts what it keeps)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     options = dict(dtype=args.dtype, device=args.device, progress=False, **kernel_options(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     method = f"ngram:{args.num_tokens}" if args.draft_model is None else f"draft:{args.draft_model}:{args.num_tokens}"
-    engines = {"plain": LLM(args.model, **options), "ngram": LLM(args.model, speculative=method, **options)}
+    engines = {"plain": LLM(args.model, **options), "speculative": LLM(args.model, speculative=method, **options)}
     # Each verify step's wall time (it waits for its tokens), to set beside a plain step's.
     verify_seconds: list[float] = []
-    verify = engines["ngram"].engine.runner.verify
+    verify = engines["speculative"].engine.runner.verify
 
     def timed_verify(*call_args):
         start = time.perf_counter()
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         verify_seconds.append(time.perf_counter() - start)
         return result
 
-    engines["ngram"].engine.runner.verify = timed_verify
+    engines["speculative"].engine.runner.verify = timed_verify
     results = []
     print(f"method {method}")
     print(f"{'scenario':>8} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'accepted':>8} "
@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> None:
         base = scenario_prompts(engines["plain"], scenario)
         for batch in args.batch_sizes:
             prompts = [base[i % len(base)] for i in range(batch)]
-            before = dataclasses.replace(engines["ngram"].engine.speculative_stats)
+            before = dataclasses.replace(engines["speculative"].engine.speculative_stats)
             verify_seconds.clear()
             seconds, tokens = {}, {}
             for name, llm in engines.items():
                 seconds[name], tokens[name] = run(llm, prompts, params, args.repeats)
-            after = engines["ngram"].engine.speculative_stats
+            after = engines["speculative"].engine.speculative_stats
             proposed = after.proposed_tokens - before.proposed_tokens
             accepted = after.accepted_tokens - before.accepted_tokens
             steps = after.verify_steps - before.verify_steps
@@ -135,17 +135,18 @@ def main(argv: list[str] | None = None) -> None:
             generated = sum(len(t) for t in tokens["plain"])
             row = dict(scenario=scenario, batch_size=batch, generated_tokens=generated,
                        plain_tokens_per_s=generated / seconds["plain"],
-                       ngram_tokens_per_s=sum(len(t) for t in tokens["ngram"]) / seconds["ngram"],
+                       speculative_tokens_per_s=sum(len(t) for t in tokens["speculative"]) / seconds["speculative"],
                        acceptance_rate=accepted / proposed if proposed else 0.0,
                        tokens_per_verify_step=produced / steps if steps else 0.0,
-                       same_tokens=tokens["plain"] == tokens["ngram"],
+                       same_tokens=tokens["plain"] == tokens["speculative"],
                        verify_ms_median=(1e3 * sorted(verify_seconds)[len(verify_seconds) // 2]
                                          if verify_seconds else None),
                        plain_ms_per_token_row=1e3 * batch / (generated / seconds["plain"]))
-            row["speedup"] = row["ngram_tokens_per_s"] / row["plain_tokens_per_s"]
+            row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
             results.append(row)
-            print(f"{scenario:>8} {batch:>5} {row['plain_tokens_per_s']:>11.1f} {row['ngram_tokens_per_s']:>11.1f} "
-                  f"{row['speedup']:>6.2f} {row['acceptance_rate']:>8.2f} {row['tokens_per_verify_step']:>8.2f} "
+            print(f"{scenario:>8} {batch:>5} {row['plain_tokens_per_s']:>11.1f} "
+                  f"{row['speculative_tokens_per_s']:>11.1f} {row['speedup']:>6.2f} {row['acceptance_rate']:>8.2f} "
+                  f"{row['tokens_per_verify_step']:>8.2f} "
                   f"{row['verify_ms_median'] or 0:>9.3f} {row['plain_ms_per_token_row']:>8.3f} "
                   f"{str(row['same_tokens']):>5}")
     for llm in engines.values():
