@@ -150,12 +150,12 @@ def _qkv_rope_cache_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     HALF = HEAD_SIZE // 2
-    token = tl.program_id(1)
+    token = tl.program_id(0)  # tokens first: one tile's programs for every token run back to back
     dtype = qkv_ptr.dtype.element_ty
     # Program p covers channels [c, c + BLOCK_N) of one head's first half and the matching channels of
     # its second half: outputs head * D + c + i and head * D + D / 2 + c + i.
-    head = (tl.program_id(0) * BLOCK_N) // HALF
-    channel = (tl.program_id(0) * BLOCK_N) % HALF + tl.arange(0, BLOCK_N)
+    head = (tl.program_id(1) * BLOCK_N) // HALF
+    channel = (tl.program_id(1) * BLOCK_N) % HALF + tl.arange(0, BLOCK_N)
     first_cols = head * HEAD_SIZE + channel
     every = channel < HALF  # all true: BLOCK_N divides D / 2 (the mask shape the GEMV expects)
     x_row = x_ptr + token.to(tl.int64) * stride_x
@@ -243,7 +243,7 @@ def project_rope_and_write_kv_cache(
     if num_tokens == 0:
         return out
     config = qkv_tile(in_features, width, head_size, weight.element_size())
-    _qkv_rope_cache_kernel[(width // 2 // config.block_n, num_tokens)](
+    _qkv_rope_cache_kernel[(num_tokens, gemv.grid_tiles(width // 2, config.block_n))](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
         weight if weight_scale is None else weight_scale, out,
         positions, cos, sin, kv_cache if write else out, slot_mapping if write else positions,

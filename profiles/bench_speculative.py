@@ -41,6 +41,8 @@ PASSAGE = (
     "the town grew quiet again, and the only sound was the sea working against the stones of the old pier."
 )
 EDIT = ("harbour", "port")
+#: Positions each engine's cache holds a sequence for: the passage prompt and 320 tokens fit.
+MAX_MODEL_LEN = 1024
 FREE_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator keeps food cold.",
@@ -99,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per point (median)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    options = dict(dtype=args.dtype, device=args.device, progress=False, **kernel_options(args))
+    # Both engines live side by side: each gets a cache for its largest batch at MAX_MODEL_LEN instead of
+    # the GPU's free memory (the first engine would take it all).
+    cache = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batch_sizes),
+                 num_kv_blocks=max(args.batch_sizes) * MAX_MODEL_LEN // 16 + 1, block_size=16)
+    options = dict(dtype=args.dtype, device=args.device, progress=False, **cache, **kernel_options(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     method = f"ngram:{args.num_tokens}" if args.draft_model is None else f"draft:{args.draft_model}:{args.num_tokens}"
     engines = {"plain": LLM(args.model, **options), "speculative": LLM(args.model, speculative=method, **options)}

@@ -152,8 +152,8 @@ for stage in $stages; do
       log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"
       python profiles/bench_speculative.py --num-tokens 4 --batch-sizes 1 8 --json "$OUT/speculative_$TAG.json" \
         | tee "$OUT/speculative_$TAG.txt" || status=1
-      log "bench_speculative.py: the default model repeating and editing, drafts of up to 8 tokens"
-      python profiles/bench_speculative.py --num-tokens 8 --batch-sizes 1 8 --scenarios repeat edit \
+      log "bench_speculative.py: the default model, drafts of up to 8 tokens"
+      python profiles/bench_speculative.py --num-tokens 8 --batch-sizes 1 8 \
         --json "$OUT/speculative_k8_$TAG.json" | tee "$OUT/speculative_k8_$TAG.txt" || status=1
       ;;
     verify-steps)

@@ -15,8 +15,8 @@ cores; nothing here needs tensor cores), and takes the neighbours along:
 * epilogue ``ADD_TO_OUT``: the result is added into ``out`` in place (the residual stream), which
   saves the next norm's residual add.
 
-Rows are independent programs, so more rows re-read W (from L2 at best): the kernels are built for one
-row, and the model uses them for one token, in layers up to the size where they beat cuBLAS
+Rows are independent programs, so more rows re-read W (from L2, as a tile's programs for every row
+are launched back to back): the kernels are built for one row, and the model uses them for one token, in layers up to the size where they beat cuBLAS
 (``graphrt.models.kernel_policy`` holds the bounds; profiles/notes_fusion.md the measurements). So a sequence decoding
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
@@ -43,8 +43,10 @@ EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
 #: The one-byte weight format the kernels read besides the activations' dtype (with a scale per row).
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 
-#: Rows sit on the launch grid's second axis, which CUDA caps at 65535.
-_MAX_GRID_ROWS = 65535
+#: Output tiles sit on the launch grid's second axis, which CUDA caps at 65535; rows on the first, so
+#: that the programs of one tile for every row are launched one after another and the rows after the
+#: first read its weights from L2 rather than from memory.
+MAX_GRID_TILES = 65535
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,10 @@ def _gemv_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
 ):
     dtype = out_ptr.dtype.element_ty
-    x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
-    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_row = x_ptr + tl.program_id(0).to(tl.int64) * stride_x
+    cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
-    out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_out + cols_n
+    out_ptrs = out_ptr + tl.program_id(0).to(tl.int64) * stride_out + cols_n
     if HAS_BIAS:  # static: read before row_products waits
         bias = tl.load(bias_ptr + cols_n, mask=n_mask, other=0.0).to(tl.float32)
     # With SILU_MUL a program computes gate outputs n and up outputs I + n together; with ADD_TO_OUT
@@ -310,6 +312,16 @@ def default_config(in_features: int, weight_rows: int | None = None, silu_mul: b
     return measured if measured is not None else general_config(in_features, silu_mul, element_size)
 
 
+def grid_tiles(out_features: int, block_n: int) -> int:
+    """Programs a row's ``out_features`` outputs take, ``block_n`` a program; ValueError past the grid's
+    ``MAX_GRID_TILES``."""
+    tiles = triton.cdiv(out_features, block_n)
+    if tiles > MAX_GRID_TILES:
+        raise ValueError(f"{out_features} outputs in tiles of {block_n} exceed the launch grid's {MAX_GRID_TILES} "
+                         "programs; use torch.nn.functional.linear")
+    return tiles
+
+
 def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
                    paired_bias_free: bool = False, weight_scale: torch.Tensor | None = None) -> tuple[int, int]:
     """Checks a GEMV's inputs (shapes and dtypes as ``linear_gemv`` documents them); returns (M, K).
@@ -318,8 +330,6 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
     rows, in_features = x.shape
-    if rows > _MAX_GRID_ROWS:
-        raise ValueError(f"{rows} rows exceed the launch grid's {_MAX_GRID_ROWS}; use torch.nn.functional.linear")
     for name, vector in (("bias", bias), ("norm weight", norm_weight)):
         if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
             raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
@@ -404,7 +414,7 @@ def linear_gemv(
     * ``EPILOGUE_SILU_MUL``: weight is gate then up ([2 * I, K]); returns ``silu(gate) * up`` [M, I];
     * ``EPILOGUE_ADD_TO_OUT``: ``out`` ([M, N_w], required) += the linear output, in place.
 
-    Any M up to 65535 is correct; one row is what it is fast for. ``out`` must not share memory with
+    Any M is correct; one row is what it is fast for (each row's results do not depend on M). ``out`` must not share memory with
     x. ``config``: the tile (default: ``default_config``'s for the weight's shape). Nothing is
     allocated when ``out`` is given, and the launch depends on shapes only: safe inside a CUDA graph.
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
@@ -415,7 +425,7 @@ def linear_gemv(
         return out
     config = config or default_config(in_features, weight.shape[0], epilogue == EPILOGUE_SILU_MUL,
                                       weight.element_size())
-    _gemv_kernel[(triton.cdiv(out_features, config.block_n), rows)](
+    _gemv_kernel[(rows, grid_tiles(out_features, config.block_n))](
         x, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight,
         weight if weight_scale is None else weight_scale, out,
         x.stride(0), weight.stride(0), out.stride(0), float(eps), out_features, in_features,

@@ -42,6 +42,12 @@ class GemvThresholds:
     #: the FP8 tensor-core kernel's time at 2-16 rows of the Llama-3-8B and 1B layers); the rest run FP8
     #: tensor cores with per-token activation scales (profiles/notes_fp8.md).
     w8a16_max_tokens: int = 16
+    #: Layers of at most ``small_layer_bytes`` run the GEMV layers for forwards of up to
+    #: ``small_layer_max_tokens`` tokens (a verify step's few rows, small batches): each row is a program
+    #: of its own, and a small layer's weights, read once from memory, serve the other rows from L2,
+    #: where a larger layer's rows each stream their weights again.
+    small_layer_bytes: int = 0
+    small_layer_max_tokens: int = 1
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -49,9 +55,14 @@ class GemvThresholds:
 #: size, so the bound sits just above the largest; larger layers keep cuBLAS until measured.
 GEMV_THRESHOLDS = GemvThresholds(
     max_tokens=1,
+    # SmolLM2-135M's layers (7 MiB) ran 2 and 4 rows faster on the GEMV layers than on cuBLAS, 8 slower;
+    # Llama-3.2-1B's (120 MiB) 4 rows slower. The bound lies between.
+    small_layer_bytes=32 << 20,
+    small_layer_max_tokens=4,
     max_layer_bytes=256 << 20,
     max_dependent_layer_bytes=512 << 20,
-    measured_on="NVIDIA H200 (sm_90), bfloat16, one token through one decoder layer; profiles/notes_fusion.md",
+    measured_on="NVIDIA H200 (sm_90), bfloat16, one token through one decoder layer, and decode steps of 1-16 "
+                "rows (profiles/notes_fusion.md, profiles/notes_speculative.md)",
 )
 
 
@@ -133,8 +144,11 @@ class KernelPolicy:
                 and layer_weight_bytes(config, weight_dtype) <= bound)
         fp8_on_cuda = quantization is not None and row_scales and device is not None and device.type == "cuda"
         tensor_cores = fp8_on_cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+        # Measured with 16-bit weights only; FP8 layers keep their measured few-row kernels.
+        small = quantization is None and layer_weight_bytes(config, weight_dtype) <= thresholds.small_layer_bytes
+        gemv_tokens = max(thresholds.max_tokens, thresholds.small_layer_max_tokens if small else 0)
         return cls(fused=fused, dependent_launch=dependent_launch,
-                   gemv_max_tokens=thresholds.max_tokens if gemv else 0, quantization=quantization,
+                   gemv_max_tokens=gemv_tokens if gemv else 0, quantization=quantization,
                    weight_scale_columns=scale_columns if quantization is not None else None,
                    fp8_tensor_cores=tensor_cores, w8a16_max_tokens=thresholds.w8a16_max_tokens if fp8_on_cuda else 0)
 
