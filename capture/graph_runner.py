@@ -293,6 +293,11 @@ class DecodeGraphRunner:
             reason = self.eager_reason or (EagerReason.BATCH_TOO_LARGE if rows > self.max_batch_size
                                            else EagerReason.CONTEXT_TOO_LONG)
             return DecodePlan(rows, GraphKey(rows, mode), reason, static_buffers=False, attention_bound=longest)
+        if self.eager_reason == EagerReason.ENFORCE_EAGER and self.device.type == "cuda":
+            # The step a graph would replay (padded rows, the captured attention bound) run without one:
+            # the kernels see the shapes they would in a graph, so the tokens are the graphs' bit for bit
+            # in every dtype (16-bit GEMMs and split attention sum in another order at other shapes).
+            return DecodePlan(rows, self._padded_key(rows, mode), self.eager_reason, True)
         if self.eager_reason is not None:  # no graphs at all: no padding, attention bounded by this batch
             return DecodePlan(rows, GraphKey(rows, mode), self.eager_reason, True, attention_bound=longest)
         key = self._padded_key(rows, mode)

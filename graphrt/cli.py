@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative decoding: each decoding sequence drafts up to K tokens, by prompt lookup "
                      "(ngram: copied from its own prompt and output) or with a draft model that has the target's "
                      "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
-                     "without it (steps then run synchronously)")
+                     "without it (steps with drafts run synchronously)")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "

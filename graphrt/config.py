@@ -137,7 +137,8 @@ class EngineConfig:
     #: or ``{"method": "draft", "model": PATH_OR_PRESET, "num_tokens": k}`` (or the CLI's ``"ngram:k"`` /
     #: ``"draft:MODEL:k"``, or a ``SpeculativeConfig``): each decoding sequence drafts up to k tokens, by
     #: prompt lookup or with the draft model, and one decode step verifies them; the output is the output
-    #: without it. Steps then run synchronously (no pipelined decode). Resolved to a ``SpeculativeConfig``.
+    #: without it. Steps with drafts run synchronously; with ``async_decode``, steps in which every
+    #: sequence pauses its drafting are pipelined. Resolved to a ``SpeculativeConfig``.
     speculative: Any = None
 
     def __post_init__(self) -> None:
@@ -165,8 +166,6 @@ class EngineConfig:
             raise ConfigError("calibrate_kv_scales (--calibrate-kv-scales) needs kv_cache_dtype='fp8' "
                               "(--kv-cache-dtype fp8): a cache in the model dtype has no scales")
         self.speculative = speculative_config(self.speculative)
-        if self.speculative is not None and self.async_decode:
-            raise ConfigError("speculative decoding runs synchronous steps: async_decode=True cannot pipeline them")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")

@@ -107,8 +107,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
                                   kv_scales_pending=self.calibrate_kv_scales, progress=progress)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
-        self.async_decode = (self.device.type == "cuda" and speculative is None if config.async_decode is None
-                             else config.async_decode)
+        self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
         self.drafter = None
         self._draft_decode_runner: DecodeGraphRunner | None = None
@@ -272,8 +271,8 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")
             return []
-        if self.async_decode and scheduled.decodes and not scheduled.prefills:
-            self._in_flight = _InFlightDecode(scheduled.decodes, self.runner.launch_decode(scheduled.decodes))
+        if self.async_decode and scheduled.decodes and not scheduled.prefills and self._pipelines(scheduled.decodes):
+            self._in_flight = self._launch_pipelined(scheduled.decodes)
             return []
         if self.drafter is not None and scheduled.decodes:
             return self._step_speculative(scheduled.prefills, scheduled.decodes)
@@ -313,6 +312,18 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1
         return self._finish_step(prefills + decodes)
 
+    def _pipelines(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode of ``seqs`` may be queued blind (``async_decode``): always without speculation;
+        with it, when every sequence pauses its drafting this step (a verify would have no draft to
+        check; a queued step's inputs are not known on the host, so nothing could be drafted from them)."""
+        return self.drafter is None or self.drafter.all_pausing(seqs)
+
+    def _launch_pipelined(self, seqs: list[Sequence], ahead_from: list[int] | None = None) -> _InFlightDecode:
+        """Queue a plain decode of ``seqs`` (their drafting pauses count the step)."""
+        if self.drafter is not None:
+            self.drafter.pass_step(seqs)
+        return _InFlightDecode(seqs, self.runner.launch_decode(seqs, ahead_from=ahead_from))
+
     @property
     def speculative_stats(self) -> SpeculativeStats | None:
         """Speculative decoding's counts since the engine started (None without it)."""
@@ -329,7 +340,7 @@ class LLMEngine:
                 following, rows = self._schedule_following(in_flight.seqs)
             self._in_flight = None
             if following:
-                self._in_flight = _InFlightDecode(following, self.runner.launch_decode(following, ahead_from=rows))
+                self._in_flight = self._launch_pipelined(following, ahead_from=rows)
             token_ids = in_flight.tokens.result()
             logprobs = in_flight.tokens.logprobs()
         except BaseException:
@@ -342,6 +353,8 @@ class LLMEngine:
         live = [row for row, seq in enumerate(in_flight.seqs) if not seq.is_finished]
         for row in live:
             in_flight.seqs[row].num_computed_tokens = in_flight.seqs[row].num_tokens
+        if self.drafter is not None:
+            self.drafter.record_plain_step([in_flight.seqs[row] for row in live])
         outputs = self._record_tokens([in_flight.seqs[row] for row in live], [token_ids[row] for row in live],
                                       [logprobs[row] for row in live])
         if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight.seqs):
@@ -364,7 +377,7 @@ class LLMEngine:
         following = [seqs[row] for row in rows]
         if not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following)):
             return [], []
-        if not self.runner.can_launch_ahead(following, rows):
+        if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
             return [], []
         # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
         targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]

@@ -79,8 +79,6 @@ def test_speculative_option_forms_and_bad_values():
                          ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), (4, "must be None, a dict")):
         with pytest.raises(ConfigError, match=message):
             EngineConfig(speculative=bad)
-    with pytest.raises(ConfigError, match="async_decode=True cannot pipeline"):
-        EngineConfig(speculative="ngram:2", async_decode=True)
     assert build_parser().parse_args(["generate", "--speculative", "ngram:4"]).speculative == "ngram:4"
 
 
@@ -123,6 +121,35 @@ def test_speculation_gives_the_output_without_it(monkeypatch, sampling):
     assert [out.token_ids for out in outs] == plain
     assert 0 < stats.accepted_tokens < stats.proposed_tokens and stats.tokens_per_step > 1.5
     assert all(out.speculative.verify_steps > 0 and out.speculative.accepted_tokens > 0 for out in outs)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_pipelined_steps_while_drafting_pauses_change_no_token(monkeypatch, sampling):
+    """async_decode: while every sequence pauses its drafting (after drafts that kept nothing) decode
+    steps are queued blind as without speculation; drafting resumes after the pause, and the output is
+    still the output without speculation."""
+    params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=5, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS[:2]
+    with _llm(async_decode=True) as llm:
+        plain = [out.token_ids for out in llm.generate(prompts, params)]
+    reference = {tuple(p): out for p, out in zip(prompts, plain)}
+
+    def propose(index, num_tokens):  # wrong from the first token for the first 10 positions, then right
+        prompt = next(p for p in reference if tuple(index.tokens[:len(p)]) == p)
+        done = len(index.tokens) - len(prompt)
+        draft = list(reference[prompt][done:done + num_tokens])
+        return [(draft[0] + 1) % 512, *draft[1:]] if draft and done < 10 else draft
+    monkeypatch.setattr(ngram.NgramIndex, "propose", propose)
+    with _llm(async_decode=True, speculative="ngram:3") as llm:
+        launch = llm.engine.runner.launch_decode
+        pipelined = []
+        monkeypatch.setattr(llm.engine.runner, "launch_decode",
+                            lambda seqs, **kw: pipelined.append(len(seqs)) or launch(seqs, **kw))
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.speculative_stats
+    assert [out.token_ids for out in outs] == plain
+    assert len(pipelined) >= 4 and stats.accepted_tokens > 0
+    assert stats.produced_tokens == sum(len(t) for t in plain) - len(prompts)  # the prefills' tokens aside
 
 
 def test_speculation_under_preemption_stop_tokens_and_logprobs(monkeypatch):

@@ -24,7 +24,10 @@ from graphrt.speculative.ngram import NgramIndex
 
 #: Steps a sequence stops drafting after consecutive verifies that kept no draft token: doubled on each
 #: further miss, up to ``MAX_PAUSE`` (a rejected draft costs a verify of several rows for one token).
-FIRST_PAUSE, MAX_PAUSE = 4, 64
+#: The pause starts short because a copying request's misses come alone (where its output leaves the
+#: text it copies, and lookup finds the new place a token later), and paused steps cost what decoding
+#: without speculation costs (with ``async_decode`` they are pipelined as without it).
+FIRST_PAUSE, MAX_PAUSE = 1, 64
 
 
 def _through_first_stop(seq: Sequence, draft: list[int]) -> list[int]:
@@ -50,8 +53,13 @@ class DraftLength:
         self._pause_steps = 0
         self._next_pause = FIRST_PAUSE
 
+    @property
+    def pausing(self) -> bool:
+        """Whether this step drafts nothing (a pause in drafting)."""
+        return self._pause_steps > 0
+
     def next(self) -> int:
-        """Tokens to draft this step (0 while pausing)."""
+        """Tokens to draft this step (0 while pausing); counts a step of the pause."""
         if self._pause_steps:
             self._pause_steps -= 1
             return 0
@@ -138,6 +146,20 @@ class Drafter:
             elif draft:
                 self.block_manager.grow(seq.seq_id, seq.num_tokens + len(draft))
         return drafts
+
+    def all_pausing(self, seqs: list[Sequence]) -> bool:
+        """Whether every one of ``seqs`` pauses its drafting this step (a sequence's first step drafts)."""
+        return all(seq.seq_id in self._lengths and self._lengths[seq.seq_id].pausing for seq in seqs)
+
+    def pass_step(self, seqs: list[Sequence]) -> None:
+        """A step of ``seqs`` that drafts nothing (a plain decode, queued while they pause)."""
+        for seq in seqs:
+            self._length(seq).next()
+
+    def record_plain_step(self, seqs: list[Sequence]) -> None:
+        """Counts a plain decode step's token for each of ``seqs`` (no draft proposed)."""
+        for seq in seqs:
+            self.record(seq, 0, 0, 1)
 
     @staticmethod
     def kept_tokens(draft: list[int], sampled: list[int]) -> list[int]:
