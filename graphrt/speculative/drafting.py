@@ -81,8 +81,8 @@ class DraftLength:
 @dataclass
 class SpeculativeStats:
     """Counts since the engine started (``LLMEngine.speculative_stats``) or for one request
-    (``RequestOutput.speculative``): verifications (a sequence in a verify step, with or without a draft),
-    draft tokens proposed and kept, tokens produced."""
+    (``RequestOutput.speculative``): decode steps of a sequence (verifies, with or without a draft, and
+    plain steps pipelined while it paused drafting), draft tokens proposed and kept, tokens produced."""
 
     verify_steps: int = 0
     proposed_tokens: int = 0
@@ -96,7 +96,7 @@ class SpeculativeStats:
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens produced a verification (1 without drafts)."""
+        """Tokens produced a decode step (1 without drafts)."""
         return self.produced_tokens / self.verify_steps if self.verify_steps else 0.0
 
     def add(self, proposed: int, accepted: int, produced: int) -> None:
