@@ -33,7 +33,7 @@ from graphrt.kernels.rounding import round_to, round_to_e4m3
 
 
 @triton.jit
-def _rotate_halves(first, second, cos, sin, DTYPE: tl.constexpr):
+def rotate_halves(first, second, cos, sin, DTYPE: tl.constexpr):
     """float32 halves -> rotated halves in DTYPE (products and sums rounded to DTYPE)."""
     new_first = round_to(first * cos, DTYPE).to(tl.float32) - round_to(second * sin, DTYPE).to(tl.float32)
     new_second = round_to(second * cos, DTYPE).to(tl.float32) + round_to(first * sin, DTYPE).to(tl.float32)
@@ -41,7 +41,7 @@ def _rotate_halves(first, second, cos, sin, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _store_cache(ptrs, values, inv_scale, mask, QUANTIZE: tl.constexpr):
+def store_cache(ptrs, values, inv_scale, mask, QUANTIZE: tl.constexpr):
     """Store ``values`` in the cache's dtype; an fp8 cache gets ``values / scale``, saturated and rounded."""
     if QUANTIZE:
         values = round_to_e4m3(values.to(tl.float32) * inv_scale)
@@ -88,7 +88,7 @@ def _rope_cache_write_kernel(
     q_ptrs = row_ptr + within_head
     q_first = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     q_second = tl.load(q_ptrs + HEAD_SIZE // 2, mask=q_mask, other=0.0).to(tl.float32)
-    q_first, q_second = _rotate_halves(q_first, q_second, cos, sin, dtype)
+    q_first, q_second = rotate_halves(q_first, q_second, cos, sin, dtype)
     tl.store(q_ptrs, q_first, mask=q_mask)
     tl.store(q_ptrs + HEAD_SIZE // 2, q_second, mask=q_mask)
 
@@ -96,7 +96,7 @@ def _rope_cache_write_kernel(
     k_ptrs = row_ptr + NUM_HEADS * HEAD_SIZE + within_head
     k_first = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     k_second = tl.load(k_ptrs + HEAD_SIZE // 2, mask=kv_mask, other=0.0).to(tl.float32)
-    k_first, k_second = _rotate_halves(k_first, k_second, cos, sin, dtype)
+    k_first, k_second = rotate_halves(k_first, k_second, cos, sin, dtype)
     tl.store(k_ptrs, k_first, mask=kv_mask)
     tl.store(k_ptrs + HEAD_SIZE // 2, k_second, mask=kv_mask)
 
@@ -108,10 +108,10 @@ def _rope_cache_write_kernel(
             v_second = tl.load(v_ptrs + HEAD_SIZE // 2, mask=kv_mask, other=0.0)
             key_dst = cache_ptr + slot * (NUM_KV_HEADS * HEAD_SIZE) + within_head
             value_dst = key_dst + stride_cache_kind
-            _store_cache(key_dst, k_first, inv_k_scale, kv_mask, QUANTIZE)
-            _store_cache(key_dst + HEAD_SIZE // 2, k_second, inv_k_scale, kv_mask, QUANTIZE)
-            _store_cache(value_dst, v_first, inv_v_scale, kv_mask, QUANTIZE)
-            _store_cache(value_dst + HEAD_SIZE // 2, v_second, inv_v_scale, kv_mask, QUANTIZE)
+            store_cache(key_dst, k_first, inv_k_scale, kv_mask, QUANTIZE)
+            store_cache(key_dst + HEAD_SIZE // 2, k_second, inv_k_scale, kv_mask, QUANTIZE)
+            store_cache(value_dst, v_first, inv_v_scale, kv_mask, QUANTIZE)
+            store_cache(value_dst + HEAD_SIZE // 2, v_second, inv_v_scale, kv_mask, QUANTIZE)
 
 @triton.jit
 def _qkv_rope_cache_kernel(
@@ -179,7 +179,7 @@ def _qkv_rope_cache_kernel(
     # The projection's output tensor, then the rotation rope_and_write_kv_cache would apply to it.
     first = round_to(first, dtype)
     second = round_to(second, dtype)
-    rotated_first, rotated_second = _rotate_halves(first.to(tl.float32), second.to(tl.float32), cos, sin, dtype)
+    rotated_first, rotated_second = rotate_halves(first.to(tl.float32), second.to(tl.float32), cos, sin, dtype)
     rotate = head < NUM_HEADS + NUM_KV_HEADS  # q and k heads; v heads are stored as projected
     first = tl.where(rotate, rotated_first, first)
     second = tl.where(rotate, rotated_second, second)
@@ -195,8 +195,8 @@ def _qkv_rope_cache_kernel(
                 destination = (cache_ptr + tl.where(is_value, stride_cache_kind, 0)
                                + slot * (NUM_KV_HEADS * HEAD_SIZE) + kv_head * HEAD_SIZE + channel)
                 inv_scale = tl.where(is_value, inv_v_scale, inv_k_scale)
-                _store_cache(destination, first, inv_scale, every, QUANTIZE)
-                _store_cache(destination + HALF, second, inv_scale, every, QUANTIZE)
+                store_cache(destination, first, inv_scale, every, QUANTIZE)
+                store_cache(destination + HALF, second, inv_scale, every, QUANTIZE)
 
 
 def project_rope_and_write_kv_cache(
@@ -238,7 +238,7 @@ def project_rope_and_write_kv_cache(
                          f"({num_heads} + 2 x {num_kv_heads} heads of {head_size})")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
-    write = _check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
+    write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
     out = gemv.output_for(x, out, width)
     if num_tokens == 0:
         return out
@@ -270,7 +270,7 @@ def qkv_tile(in_features: int, width: int, head_size: int, element_size: int) ->
                            thread_sum=base.thread_sum)
 
 
-def _check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens: int, num_kv_heads: int,
+def check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens: int, num_kv_heads: int,
                          head_size: int) -> bool:
     """Checks the rotary and cache arguments (as ``rope_and_write_kv_cache`` documents them); returns
     whether there is a cache to write."""
@@ -323,7 +323,7 @@ def rope_and_write_kv_cache(
     width = (num_heads + 2 * num_kv_heads) * head_size
     if qkv.dim() != 2 or qkv.shape[1] != width or not qkv.is_contiguous() or qkv.shape[0] < num_tokens:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be a contiguous [T, {width}] fused QKV output")
-    write = _check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
+    write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
     if num_tokens == 0:
         return
     _rope_cache_write_kernel[(num_tokens,)](

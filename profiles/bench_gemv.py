@@ -7,8 +7,9 @@ For the decoder matrices of Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), on
 2. per layer, at one row, what the fused decode path runs without the GEMV kernels (add+RMSNorm
    kernel, cuBLAS QKV; cuBLAS O; add+RMSNorm, cuBLAS gate/up, SiLU*up kernel; cuBLAS down) against
    the GEMV kernels that take those neighbours in, launched plainly and as dependents with
-   ``gemv.general_config``'s tiles, and as dependents with the sweep's best tile per matrix; and the
-   LM head with the final norm.
+   ``gemv.general_config``'s tiles, and as dependents with the sweep's best tile per matrix; up to 16
+   rows also the few-row kernels (``gemv_rows.linear_rows``, dependents, default tiles; ``rows_pdl``);
+   and the LM head with the final norm.
 
 Every timing is a CUDA-graph replay of the op over enough weight copies (>= 256 MB) that the weights
 stream from HBM as in a real step, so a time includes each kernel's in-graph latency. Medians of 20
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrt.bench import measure_read_bandwidth, median_replay_ms
-from graphrt.kernels import gemv
+from graphrt.kernels import gemv, gemv_rows
 from graphrt.kernels.activation import silu_and_mul
 from graphrt.kernels.rms_norm import rms_norm
 
@@ -75,13 +76,14 @@ def shape(model: str, matrix: str) -> tuple[int, int]:
     return {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}[matrix]
 
 
-def layer_op(matrix: str, x, w, out, norm_w, eps, **launch):
+def layer_op(matrix: str, x, w, out, norm_w, eps, linear=gemv.linear_gemv, **launch):
     """The matrix's GEMV as the decode layer runs it: QKV and gate/up with the norm (gate/up with SiLU *
-    up), O and down adding into the residual stream ``out``."""
+    up), O and down adding into the residual stream ``out``. ``linear``: ``gemv.linear_gemv`` or the
+    few-row ``gemv_rows.linear_rows`` (the same arguments)."""
     if matrix in ("qkv", "gate_up"):
         epilogue = gemv.EPILOGUE_SILU_MUL if matrix == "gate_up" else gemv.EPILOGUE_STORE
-        return gemv.linear_gemv(x, w, norm_weight=norm_w, eps=eps, epilogue=epilogue, out=out, **launch)
-    return gemv.linear_gemv(x, w, epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=out, **launch)
+        return linear(x, w, norm_weight=norm_w, eps=eps, epilogue=epilogue, out=out, **launch)
+    return linear(x, w, epilogue=gemv.EPILOGUE_ADD_TO_OUT, out=out, **launch)
 
 
 def sweep(results: dict) -> None:
@@ -170,6 +172,13 @@ def layer(results: dict, rows_list) -> None:
                         layer_op(name, x, w, out, norm_w, eps, config=config, **launch)
                 return run
 
+            def with_rows(i):
+                def run():
+                    for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
+                                            ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
+                        layer_op(name, x, w, out, norm_w, eps, linear=gemv_rows.linear_rows, dependent_launch=True)
+                return run
+
             variants = {"gemv": (False, {}), "gemv_pdl": (True, {})}
             if model in results["best_tiles"]:
                 variants["gemv_pdl_best"] = (True, results["best_tiles"][model])
@@ -178,9 +187,12 @@ def layer(results: dict, rows_list) -> None:
                    "today_us": 1e3 * time_graph(cublas_layers(w_qkv, w_o, w_gu, w_down, norm_w, eps, rows))}
             for name, (dependent_launch, tiles) in variants.items():
                 row[f"{name}_us"] = 1e3 * time_graph([with_gemv(i, dependent_launch, tiles) for i in range(layers)])
+            if rows <= gemv_rows.MAX_ROWS:  # the few-row kernels (dependents, default tiles)
+                row["rows_pdl_us"] = 1e3 * time_graph([with_rows(i) for i in range(layers)])
             row["floor_us"] = per_layer_bytes / results["hbm_tb_per_s"] / 1e6
             print(f"{model:13} layer rows {rows:2}: today {row['today_us']:7.2f} us  " + "  ".join(
-                f"{name} {row[name + '_us']:7.2f}" for name in variants) + f"  floor {row['floor_us']:6.2f} us",
+                f"{name} {row[name + '_us']:7.2f}" for name in [*variants, "rows_pdl"] if name + "_us" in row)
+                + f"  floor {row['floor_us']:6.2f} us",
                 flush=True)
             results["layer"].append(row)
         del w_qkv, w_o, w_gu, w_down

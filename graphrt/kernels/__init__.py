@@ -3,7 +3,8 @@
 At decode batch sizes a separate kernel costs more in launch latency than its work, even inside a CUDA
 graph, so the layer's norms, residual adds and activation run as one kernel each instead of five to
 eight (profiles/notes_fusion.md has the measurements). At batch 1, ``gemv`` goes further: the linear
-layers themselves run as matrix-vector kernels with the norm, SiLU * up and residual add fused in.
+layers themselves run as matrix-vector kernels with the norm, SiLU * up and residual add fused in;
+``gemv_rows`` does the same for a few rows at once on tensor cores (off until measured on the GPU).
 The rotary embedding fused with the KV-cache write lives with the cache kernels, in
 ``graphrt.attention.triton_rope_cache_write``; the fused samplers live in ``graphrt.sampling``.
 

@@ -48,6 +48,10 @@ class GemvThresholds:
     #: where a larger layer's rows each stream their weights again.
     small_layer_bytes: int = 0
     small_layer_max_tokens: int = 1
+    #: Forwards of more tokens than the GEMV kernels take, up to this many, run the GEMV layers on the
+    #: few-row kernels (``graphrt.kernels.gemv_rows``: each weight read once for every row, on tensor
+    #: cores; 16-bit weights). 0: never, the bound until they are timed against cuBLAS on the GPU.
+    rows_max_tokens: int = 0
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -90,7 +94,8 @@ class KernelPolicy:
     SiLU * up) and the fused samplers; False = the unfused torch ops and the sorting sampler, kept as
     the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
     dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
-    each layer on GEMV kernels (0 = never). quantization: None, or "fp8": the layers' linear weights are
+    each layer on GEMV kernels (0 = never), and forwards of more, up to gemv_rows_max_tokens (at most
+    ``gemv_rows.MAX_ROWS``), on the few-row GEMV kernels (16-bit weights). quantization: None, or "fp8": the layers' linear weights are
     FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
     GEMV kernels read FP8 codes with row scales (W8A16); on CUDA the other forwards with row scales run
@@ -107,12 +112,15 @@ class KernelPolicy:
     weight_scale_columns: int | None = None
     fp8_tensor_cores: bool = False
     w8a16_max_tokens: int = 0
+    gemv_rows_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dependent_launch and not self.fused:
             raise ValueError("dependent_launch needs fused_kernels=True (it launches the fused Triton kernels)")
         if self.gemv_max_tokens and not self.fused:
             raise ValueError("GEMV layers need fused_kernels=True")
+        if self.gemv_rows_max_tokens and (not self.gemv_max_tokens or self.quantization is not None):
+            raise ValueError("the few-row GEMV layers need the GEMV layers and 16-bit weights")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantization is None and (self.weight_scale_columns is not None or self.fp8_tensor_cores):
@@ -147,14 +155,21 @@ class KernelPolicy:
         # Measured with 16-bit weights only; FP8 layers keep their measured few-row kernels.
         small = quantization is None and layer_weight_bytes(config, weight_dtype) <= thresholds.small_layer_bytes
         gemv_tokens = max(thresholds.max_tokens, thresholds.small_layer_max_tokens if small else 0)
+        rows_tokens = thresholds.rows_max_tokens if gemv and quantization is None else 0
         return cls(fused=fused, dependent_launch=dependent_launch,
                    gemv_max_tokens=gemv_tokens if gemv else 0, quantization=quantization,
+                   gemv_rows_max_tokens=rows_tokens if rows_tokens > gemv_tokens else 0,
                    weight_scale_columns=scale_columns if quantization is not None else None,
                    fp8_tensor_cores=tensor_cores, w8a16_max_tokens=thresholds.w8a16_max_tokens if fp8_on_cuda else 0)
 
     def runs_gemv(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` tokens runs the GEMV layers."""
-        return 0 < num_tokens <= self.gemv_max_tokens
+        """Whether a forward of ``num_tokens`` tokens runs the GEMV layers (``runs_gemv_rows``: on the
+        few-row kernels)."""
+        return 0 < num_tokens <= max(self.gemv_max_tokens, self.gemv_rows_max_tokens)
+
+    def runs_gemv_rows(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens runs the GEMV layers on the few-row kernels."""
+        return self.gemv_max_tokens < num_tokens <= self.gemv_rows_max_tokens
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors, out: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of ``logits`` [B, V] float32 -> [B] int64 (into ``out`` when given): the

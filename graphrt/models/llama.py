@@ -103,6 +103,11 @@ class LlamaAttention(nn.Module):
             from graphrt.attention import triton_rope_cache_write
 
             self._rope_cache_write = triton_rope_cache_write
+            self._project_rope_and_write = triton_rope_cache_write.project_rope_and_write_kv_cache
+        if policy.gemv_rows_max_tokens:
+            from graphrt.attention import triton_qkv_rows
+
+            self._project_rows_rope_and_write = triton_qkv_rows.project_rope_and_write_kv_cache_rows
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
                 input_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -117,7 +122,9 @@ class LlamaAttention(nn.Module):
         launch = self.policy.dependent_launch
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if input_norm is not None:
-            qkv = self._rope_cache_write.project_rope_and_write_kv_cache(
+            project = (self._project_rows_rope_and_write if self.policy.runs_gemv_rows(positions.shape[0])
+                       else self._project_rope_and_write)
+            qkv = project(
                 hidden, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.cos, self.rotary.sin,
                 kv_cache, attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
                 norm_weight=input_norm.weight, eps=input_norm.eps, dependent_launch=launch,
@@ -190,6 +197,11 @@ class LlamaDecoderLayer(nn.Module):
             from graphrt.kernels import gemv
 
             self._gemv = gemv
+            self._linear_gemv = gemv.linear_gemv
+        if policy.gemv_rows_max_tokens:
+            from graphrt.kernels import gemv_rows
+
+            self._linear_rows = gemv_rows.linear_rows
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata):
         """positions: [T] int64; hidden: [T, hidden], the previous layer's pending output (the
@@ -200,7 +212,8 @@ class LlamaDecoderLayer(nn.Module):
         A forward of at most ``policy.gemv_max_tokens`` tokens runs the GEMV kernels: QKV with the
         input norm, rotary and cache write fused in, attention, O adding into the stream, gate/up with
         the norm and SiLU * up, down adding into the stream; five kernels where the GEMM path runs
-        four GEMMs, two norms, rotary + cache write, SiLU * up and attention."""
+        four GEMMs, two norms, rotary + cache write, SiLU * up and attention. Forwards of up to
+        ``policy.gemv_rows_max_tokens`` run the same five on the few-row kernels."""
         if self.policy.runs_gemv(positions.shape[0]):
             return self._forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
         # A norm whose output feeds an FP8 x FP8 product writes it quantised (one launch fewer a product).
@@ -222,17 +235,18 @@ class LlamaDecoderLayer(nn.Module):
         elif hidden is not None:
             residual = residual + hidden
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
+        linear = self._linear_rows if self.policy.runs_gemv_rows(positions.shape[0]) else self._linear_gemv
         launch = {"dependent_launch": self.policy.dependent_launch}
         attended = attention(positions, residual, kv_cache, attn_metadata, input_norm=self.input_layernorm)
-        kernels.linear_gemv(attended, attention.o_proj.weight, attention.o_proj.bias,
+        linear(attended, attention.o_proj.weight, attention.o_proj.bias,
                             epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
                             weight_scale=_row_scales(attention.o_proj), **launch)
-        activated = kernels.linear_gemv(
+        activated = linear(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
             eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
             weight_scale=_row_scales(mlp.gate_up_proj), **launch,
         )
-        kernels.linear_gemv(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
+        linear(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
                             weight_scale=_row_scales(mlp.down_proj), **launch)
         return None, residual
 
