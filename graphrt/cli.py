@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative decoding: each decoding sequence drafts up to K tokens, by prompt lookup "
                      "(ngram: copied from its own prompt and output) or with a draft model that has the target's "
                      "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
-                     "without it (steps with drafts run synchronously)")
+                     "without it (token for token in float32; in 16-bit dtypes a near-tie may resolve "
+                     "differently); steps with drafts run synchronously")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", type=comma_separated_positive_ints, default=[512], metavar="512,4096", help="default 512")
     bench.add_argument("--query-tokens", type=comma_separated_positive_ints, default=[1], metavar="1,5",
                        help="rows a sequence decodes a step, each value a point: q > 1 times a speculative verify "
-                            "step (the newest token and q - 1 drafts); default 1")
+                            "step (the newest token and q - 1 drafts; tok/s then counts every row, as if every "
+                            "draft were kept); default 1")
     bench.add_argument("--steps", type=positive_int, default=30, help="timed decode steps per point (median)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="every row's sampling temperature (default 0: greedy)")

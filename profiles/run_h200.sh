@@ -24,6 +24,7 @@
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
 #   gemv-rows                          bench_gemv.py --rows 1-16: a layer's linear work on cuBLAS, GEMV and few-row kernels
+#   gemv-bounds                        bench_gemv_bounds.py: decode steps of 1-16 rows with the GEMV / few-row bounds raised
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
@@ -160,6 +161,11 @@ for stage in $stages; do
     gemv-rows)
       log "bench_gemv.py: a decoder layer's linear work at 1-16 rows: cuBLAS, the GEMV kernels, the few-row kernels"
       python profiles/bench_gemv.py --no-sweep --rows 1,2,4,5,8,9,16 --json "$OUT/gemv_rows_layers_$TAG.json" || status=1
+      ;;
+    gemv-bounds)
+      log "bench_gemv_bounds.py: decode and verify steps with the GEMV kernels' and the few-row kernels' bounds raised"
+      python profiles/bench_gemv_bounds.py --json "$OUT/gemv_rows_$TAG.json" || status=1
+      python profiles/bench_gemv_bounds.py --few-row-kernels --json "$OUT/gemv_rows_kernels_$TAG.json" || status=1
       ;;
     verify-steps)
       log "graphrt bench: verify steps of 5 and 9 rows a sequence beside plain steps (1B shape, contexts 512, 4096)"

@@ -151,9 +151,8 @@ def test_a_model_on_the_few_row_kernels_decodes_as_on_the_gemm_path(monkeypatch)
     with LLM("random:tiny", **options) as llm:
         assert not llm.engine.model.kernel_policy.runs_gemv(len(prompts))
         reference = llm.generate(prompts, params)
-    rows = dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, rows_max_tokens=16)
-    choose = kernel_policy.KernelPolicy.choose.__func__
-    monkeypatch.setattr(choose, "__defaults__", (False, rows, None, None))
+    monkeypatch.setattr(kernel_policy, "GEMV_THRESHOLDS",
+                        dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, rows_max_tokens=16))
     calls = []
     linear_rows = gemv_rows.linear_rows
     monkeypatch.setattr(_gemv_rows, "linear_rows", lambda *a, **k: calls.append(a[0].shape[0]) or linear_rows(*a, **k))

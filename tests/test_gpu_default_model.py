@@ -185,7 +185,7 @@ def test_speculation_keeps_drafts_and_changes_no_float32_token(runs, dtype, mode
     same = sum(_first_difference(a, b) for a, b in zip(spec["tokens"], plain["tokens"]))
     print(f"\n[{dtype} {mode}] speculation: {same}/{NEW_TOKENS * len(QUESTIONS)} tokens equal to plain before the "
           f"first difference; {stats.accepted_tokens}/{stats.proposed_tokens} drafts kept, "
-          f"{stats.tokens_per_step:.2f} tokens a verification")
+          f"{stats.tokens_per_step:.2f} tokens a step")
     assert stats.accepted_tokens >= NEW_TOKENS // 2  # the repeat request's drafts at least
     if dtype == "float32":
         assert spec["tokens"] == plain["tokens"]

@@ -76,7 +76,8 @@ def test_speculative_option_forms_and_bad_values():
                          ({"method": "ngram", "model": "random:tiny"}, "needs a model"),
                          ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
                          ({"num_tokens": 2, "depth": 3}, "unknown field"),
-                         ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), (4, "must be None, a dict")):
+                         ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), (4, "must be None, a dict"),
+                         ("draft:random:tiny", "draft:MODEL:NUM_TOKENS")):
         with pytest.raises(ConfigError, match=message):
             EngineConfig(speculative=bad)
     assert build_parser().parse_args(["generate", "--speculative", "ngram:4"]).speculative == "ngram:4"

@@ -133,13 +133,15 @@ class KernelPolicy:
 
     @classmethod
     def choose(cls, config: ModelConfig, dtype: torch.dtype, fused: bool, dependent_launch: bool = False,
-               thresholds: GemvThresholds = GEMV_THRESHOLDS, quantization: str | None = None,
+               thresholds: GemvThresholds | None = None, quantization: str | None = None,
                device: torch.device | None = None) -> KernelPolicy:
         """The policy for a model of ``config`` in ``dtype`` on ``device``: GEMV layers when fused, the
         weights 16-bit or FP8 with row scales, and the layer (in its weights' bytes) within the measured
         bound for the launch mode; FP8 tensor cores for FP8 row scales on a CUDA GPU of compute
         capability 8.9 or later. A checkpoint stored in FP8 (``config.fp8_checkpoint``) needs
-        ``quantization="fp8"``."""
+        ``quantization="fp8"``. ``thresholds``: default ``GEMV_THRESHOLDS`` as the module holds it at the
+        call (an experiment may replace it to time other bounds)."""
+        thresholds = thresholds or GEMV_THRESHOLDS
         stored = config.fp8_checkpoint
         if stored is not None and quantization != "fp8":
             raise ValueError(f"the checkpoint's weights are FP8 ({stored.method}); build the model with "

@@ -61,7 +61,8 @@ def speculative_config(value: Any) -> SpeculativeConfig | None:
         try:
             num_tokens = int(count)
         except ValueError:
-            raise ConfigError(f"speculative: the token count in {value!r} is not an integer") from None
+            raise ConfigError(f"speculative: the token count in {value!r} is not an integer (the forms are "
+                              "ngram:NUM_TOKENS and draft:MODEL:NUM_TOKENS)") from None
         return SpeculativeConfig(method=method, num_tokens=num_tokens, model=model or None)
     if isinstance(value, dict):
         known = set(SpeculativeConfig.__dataclass_fields__)
@@ -69,4 +70,5 @@ def speculative_config(value: Any) -> SpeculativeConfig | None:
         if unknown:
             raise ConfigError(f"speculative: unknown field(s) {', '.join(unknown)}; fields: {', '.join(sorted(known))}")
         return SpeculativeConfig(**value)
-    raise ConfigError(f"speculative must be None, a dict, 'METHOD:NUM_TOKENS' or a SpeculativeConfig, got {value!r}")
+    raise ConfigError(f"speculative must be None, a dict, 'ngram:NUM_TOKENS', 'draft:MODEL:NUM_TOKENS' or a "
+                      f"SpeculativeConfig, got {value!r}")

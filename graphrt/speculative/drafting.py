@@ -81,8 +81,8 @@ class DraftLength:
 @dataclass
 class SpeculativeStats:
     """Counts since the engine started (``LLMEngine.speculative_stats``) or for one request
-    (``RequestOutput.speculative``): decode steps of a sequence (verifies, with or without a draft, and
-    plain steps pipelined while it paused drafting), draft tokens proposed and kept, tokens produced."""
+    (``RequestOutput.speculative``): decode steps of a sequence (every one, with or without a draft,
+    pipelined or not), draft tokens proposed and kept, tokens produced."""
 
     verify_steps: int = 0
     proposed_tokens: int = 0
