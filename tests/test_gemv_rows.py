@@ -138,7 +138,8 @@ def test_rows_kernel_compiles_for_sm90():
 
 def test_a_model_on_the_few_row_kernels_decodes_as_on_the_gemm_path(monkeypatch):
     """A fused model (float32, the interpreter) whose decode steps of 5-16 rows run the GEMV layers on the
-    few-row kernels gives the GEMM path's tokens and logprobs."""
+    few-row kernels gives the GEMM path's tokens and logprobs; so does a prompt of 9 tokens alone, whose
+    prefill then runs them too (the prefill attention reading q, k and v from their output)."""
     import dataclasses
 
     from graphrt import LLM, SamplingParams
@@ -151,6 +152,7 @@ def test_a_model_on_the_few_row_kernels_decodes_as_on_the_gemm_path(monkeypatch)
     with LLM("random:tiny", **options) as llm:
         assert not llm.engine.model.kernel_policy.runs_gemv(len(prompts))
         reference = llm.generate(prompts, params)
+        reference_alone = llm.generate([prompts[1]], params)[0]
     monkeypatch.setattr(kernel_policy, "GEMV_THRESHOLDS",
                         dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, rows_max_tokens=16))
     calls = []
@@ -159,7 +161,11 @@ def test_a_model_on_the_few_row_kernels_decodes_as_on_the_gemm_path(monkeypatch)
     with LLM("random:tiny", **options) as llm:
         assert llm.engine.model.kernel_policy.runs_gemv_rows(len(prompts))
         outputs = llm.generate(prompts, params)
-    assert calls and set(calls) == {len(prompts)}
+        decode_calls = list(calls)
+        alone = llm.generate([prompts[1]], params)[0]
+    assert decode_calls and set(decode_calls) == {len(prompts)}
+    assert len(prompts[1]) in calls[len(decode_calls):]  # the prompt's prefill
+    assert alone.token_ids == reference_alone.token_ids
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
