@@ -1,4 +1,5 @@
-"""The ``graphrt`` command line: ``generate`` text, ``bench`` and ``profile`` decode steps, report ``info``."""
+"""The ``graphrt`` command line: ``generate`` text, ``bench`` and ``profile`` decode steps, ``bench-serving`` an engine
+under load, report ``info``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,39 @@ def comma_separated_positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def positive_float(text: str) -> float:
+    """argparse type for a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def length_range(text: str):
+    """argparse type for ``MEAN[:SPREAD]`` (``graphrt.serving_bench.LengthRange``)."""
+    from graphrt.serving_bench import LengthRange
+
+    try:
+        return LengthRange.parse(text)
+    except GraphrtError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def fraction_and_length(text: str) -> tuple[float, int]:
+    """argparse type for ``FRACTION:LEN``: a fraction in [0, 1] and a token count >= 0."""
+    fraction, _, length = text.partition(":")
+    try:
+        value = (float(fraction), int(length))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FRACTION:LEN (e.g. 0.5:256), got {text!r}") from None
+    if not 0.0 <= value[0] <= 1.0 or value[1] < 0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1] and a length >= 0, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -191,6 +225,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of ms/step against batch size")
 
+    serving = commands.add_parser(
+        "bench-serving", parents=[common],
+        help="an engine under load: Poisson arrivals, TTFT and inter-token latency p50/p99, throughput",
+        description="Requests with random token-id prompts arrive at Poisson times while others decode; each "
+        "generates exactly its drawn output length. Prints TTFT, inter-token latency and time per output token "
+        "(p50, p99), output tokens and requests a second; --json and --plot (CDFs) write them.",
+    )
+    add_model_arguments(serving, default_model="random:llama-3.2-1b")
+    serving.add_argument("--rate", type=positive_float, default=4.0, help="arrivals a second (default 4)")
+    serving.add_argument("--num-requests", type=positive_int, default=64, help="requests in the run (default 64)")
+    serving.add_argument("--prompt-len", type=length_range, default="512:256", metavar="MEAN[:SPREAD]",
+                         help="prompt tokens, uniform in MEAN +- SPREAD (default 512:256)")
+    serving.add_argument("--output-len", type=length_range, default="128:64", metavar="MEAN[:SPREAD]",
+                         help="generated tokens a request, uniform in MEAN +- SPREAD (default 128:64)")
+    serving.add_argument("--shared-prefix", type=fraction_and_length, default=(0.0, 0), metavar="FRACTION:LEN",
+                         help="that fraction of the requests starts with one common prefix of LEN tokens "
+                              "(default 0:0, none)")
+    serving.add_argument("--seed", type=int, default=0, help="seeds the arrivals, lengths and prompts")
+    serving.add_argument("--max-num-seqs", type=positive_int, default=256, help="most sequences in one step")
+    serving.add_argument("--max-model-len", type=positive_int, default=None,
+                         help="longest sequence (default: the load's longest)")
+    serving.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
+                         help="speculative decoding, as for generate")
+    serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
+    serving.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
+
     prof = commands.add_parser(
         "profile", parents=[common],
         help="record decode steps with torch.profiler: trace file and per-step kernel breakdown",
@@ -265,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             from graphrt.bench import main as bench_main
 
             return bench_main(args)
+        if args.command == "bench-serving":
+            from graphrt.serving_bench import main as serving_main
+
+            return serving_main(args)
         if args.command == "profile":
             from graphrt.profile import main as profile_main
 

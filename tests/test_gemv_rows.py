@@ -107,7 +107,8 @@ def test_rows_kernel_compiles_for_sm90():
         config = gemv_rows.RowsTileConfig()
         pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
         integers = {arg: "i32" for arg in ("M", "N", "K", "stride_x", "stride_w", "stride_out")}
-        epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
+        epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant,
+                                                                                             gemv.EPILOGUE_STORE)
         cases.append(dict(
             name=f"{variant}-{dtype}{'-dependent' if pdl else ''}", module="graphrt.kernels.gemv_rows",
             kernel="_rows_linear_kernel", signature={**pointers, **integers, "eps": "fp32"},

@@ -1,0 +1,249 @@
+"""``graphrt bench-serving``: one engine under load, as a serving frontend drives it.
+
+Requests arrive at Poisson times (``rate`` a second, seeded), each a random prompt of token ids with a
+length drawn uniformly from ``mean - spread .. mean + spread`` and asking for an output length drawn
+the same way (``ignore_eos``: every request generates exactly that many tokens); a ``shared_prefix``
+fraction of them start with one common prefix of a given length (a system prompt), the rest of their
+prompt their own. The loop adds every request whose arrival time has passed, then runs one
+``engine.step()``; when nothing is running it sleeps until the next arrival. A token counts as
+delivered when the step that returns it returns (pipelined steps return their tokens one call late,
+as a frontend sees them).
+
+Reported: time to first token (TTFT: arrival to the step that returned the first token), inter-token
+latency (ITL: the gaps between successive steps that returned tokens to a request; a speculative step
+returning several counts once), time per output token per request (TPOT: first to last token over the
+tokens after the first), p50 and p99 of each, output tokens and requests a second over the run, and the
+prefix-cache hit rate (None: graphrt does not cache prefixes yet). A short warm-up runs first and is not
+counted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from graphrt.base.errors import ConfigError
+from graphrt.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """Integers drawn uniformly from ``mean - spread`` to ``mean + spread`` (both >= 1)."""
+
+    mean: int
+    spread: int = 0
+
+    def __post_init__(self) -> None:
+        if self.spread < 0 or self.mean - self.spread < 1:
+            raise ConfigError(f"a length range needs spread >= 0 and mean - spread >= 1, got {self.mean}:{self.spread}")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthRange:
+        """``"512"`` or ``"512:128"`` (mean, spread)."""
+        mean, _, spread = text.partition(":")
+        try:
+            values = int(mean), int(spread) if spread else 0
+        except ValueError:
+            raise ConfigError(f"expected MEAN or MEAN:SPREAD (integers), got {text!r}") from None
+        return cls(*values)
+
+    @property
+    def largest(self) -> int:
+        return self.mean + self.spread
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.mean - self.spread, self.mean + self.spread)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The load: ``num_requests`` arriving at ``rate`` a second; prompt and output lengths; a
+    ``shared_prefix_fraction`` of the prompts starting with one common ``shared_prefix_len`` tokens."""
+
+    rate: float
+    num_requests: int
+    prompt_len: LengthRange
+    output_len: LengthRange
+    shared_prefix_fraction: float = 0.0
+    shared_prefix_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ConfigError(f"the arrival rate must be > 0 requests a second, got {self.rate}")
+        if self.num_requests < 1:
+            raise ConfigError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not 0.0 <= self.shared_prefix_fraction <= 1.0 or self.shared_prefix_len < 0:
+            raise ConfigError(f"the shared prefix needs a fraction in [0, 1] and a length >= 0, got "
+                              f"{self.shared_prefix_fraction}:{self.shared_prefix_len}")
+
+    @property
+    def longest_sequence(self) -> int:
+        return self.shared_prefix_len + self.prompt_len.largest + self.output_len.largest
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    arrival_s: float  # after the start of the run
+    prompt_token_ids: list[int]
+    max_tokens: int
+    shares_prefix: bool
+
+
+def make_requests(spec: LoadSpec, vocab_size: int) -> list[LoadRequest]:
+    """The load's requests in arrival order (deterministic for a seed). Token ids avoid 0-2 (special
+    tokens in most vocabularies)."""
+    rng = random.Random(spec.seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(spec.shared_prefix_len)]
+    requests, clock = [], 0.0
+    for _ in range(spec.num_requests):
+        clock += rng.expovariate(spec.rate)
+        shares = rng.random() < spec.shared_prefix_fraction
+        own = [rng.randrange(3, vocab_size) for _ in range(spec.prompt_len.draw(rng))]
+        requests.append(LoadRequest(clock, (prefix if shares else []) + own, spec.output_len.draw(rng), shares))
+    return requests
+
+
+@dataclass
+class RequestTiming:
+    arrival_s: float
+    delivery_s: list[float]  # when each step that returned tokens to it returned
+    tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.delivery_s[0] - self.arrival_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.delivery_s, self.delivery_s[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.delivery_s[-1] - self.delivery_s[0]) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep=time.sleep
+             ) -> tuple[list[RequestTiming], float]:
+    """Drive ``engine`` (an ``LLMEngine``) through ``requests``; returns each request's timing and the
+    run's duration in seconds (first arrival counted from the start, to the last token)."""
+    timings = [RequestTiming(r.arrival_s, []) for r in requests]
+    start, next_request = clock(), 0
+    while next_request < len(requests) or engine.has_unfinished_requests():
+        now = clock() - start
+        while next_request < len(requests) and requests[next_request].arrival_s <= now:
+            request = requests[next_request]
+            params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+            engine.add_request(request.prompt_token_ids, params, request_id=str(next_request))
+            next_request += 1
+        if not engine.has_unfinished_requests():
+            sleep(max(0.0, requests[next_request].arrival_s - (clock() - start)))
+            continue
+        outputs = engine.step()
+        returned = clock() - start
+        for out in outputs:
+            timing = timings[int(out.request_id)]
+            if len(out.token_ids) > timing.tokens:
+                timing.delivery_s.append(returned)
+                timing.tokens = len(out.token_ids)
+    return timings, clock() - start
+
+
+def _percentiles(values: list[float]) -> dict:
+    """p50 and p99 in ms (None for no values)."""
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50_ms": round(1e3 * statistics.median(ordered), 3), "p99_ms": round(1e3 * pick(0.99), 3)}
+
+
+def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
+    """The run's latency percentiles and throughput (see the module docstring)."""
+    tokens = sum(t.tokens for t in timings)
+    return {
+        "requests": len(timings),
+        "duration_s": round(duration_s, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / duration_s, 1) if duration_s > 0 else None,
+        "requests_per_s": round(len(timings) / duration_s, 3) if duration_s > 0 else None,
+        "ttft": _percentiles([t.ttft_s for t in timings if t.delivery_s]),
+        "itl": _percentiles([gap for t in timings for gap in t.itl_s]),
+        "tpot": _percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
+        "prefix_hit_rate": None,  # no prefix cache yet
+    }
+
+
+def format_summary(summary: dict) -> str:
+    def ms(stat: dict) -> str:
+        return "  ".join(f"{key.removesuffix('_ms')} {value:.2f} ms" if value is not None else f"{key} -"
+                         for key, value in stat.items())
+    return "\n".join([
+        f"requests {summary['requests']} in {summary['duration_s']:.2f} s: {summary['requests_per_s']} req/s, "
+        f"{summary['output_tokens']} output tokens ({summary['output_tokens_per_s']} tok/s)",
+        f"TTFT  {ms(summary['ttft'])}",
+        f"ITL   {ms(summary['itl'])}",
+        f"TPOT  {ms(summary['tpot'])}",
+        f"prefix cache hit rate: {summary['prefix_hit_rate'] if summary['prefix_hit_rate'] is not None else '-'}",
+    ])
+
+
+def write_plot(timings: list[RequestTiming], path: str, title: str) -> None:
+    """CDFs of TTFT and ITL (ms, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in (("TTFT", [t.ttft_s for t in timings if t.delivery_s]),
+                         ("ITL", [gap for t in timings for gap in t.itl_s])):
+        ordered = sorted(1e3 * v for v in values)
+        if ordered:
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests (TTFT) / of gaps (ITL)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    from graphrt.cli import kernel_options
+    from graphrt.llm import LLM
+
+    spec = LoadSpec(rate=args.rate, num_requests=args.num_requests, prompt_len=args.prompt_len,
+                    output_len=args.output_len,
+                    shared_prefix_fraction=args.shared_prefix[0], shared_prefix_len=args.shared_prefix[1],
+                    seed=args.seed)
+    max_model_len = args.max_model_len or spec.longest_sequence
+    if spec.longest_sequence > max_model_len:
+        raise ConfigError(f"the load's longest sequence ({spec.longest_sequence} tokens: prefix, prompt and output "
+                          f"at their largest) exceeds --max-model-len {max_model_len}")
+    options = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                   progress=False, **kernel_options(args))
+    if args.speculative is not None:
+        options["speculative"] = args.speculative
+    with LLM(args.model, **options) as llm:
+        engine = llm.engine
+        warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1),
+                             engine.model_config.vocab_size)
+        run_load(engine, warm)
+        requests = make_requests(spec, engine.model_config.vocab_size)
+        timings, duration = run_load(engine, requests)
+        device = engine.device
+    summary = summarize(timings, duration)
+    print(format_summary(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "device": str(device), "load": asdict(spec),
+                       "max_num_seqs": args.max_num_seqs, "speculative": args.speculative, **summary}, f, indent=2)
+    if args.plot:
+        write_plot(timings, args.plot, f"{args.model}: {spec.rate:g} req/s, {spec.num_requests} requests")
+    return 0
