@@ -12,6 +12,8 @@ order, so its output may differ by one unit in the last place of the model dtype
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -320,13 +322,18 @@ def test_rope_cache_write_fp8_gpu():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_engine_matches_unfused(dtype, monkeypatch):
     """Same greedy tokens and (nearly) the same logits from the fused and the unfused model, over
-    prompts of different lengths decoding together, and over one prompt decoding alone (the one-row
-    GEMV layers of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel)."""
+    prompts of different lengths decoding together, and over one prompt decoding alone (the GEMV layers
+    of ``graphrt.kernels.gemv``, QKV with rotary and cache write in one kernel)."""
     from hf_reference import graphrt_greedy_with_logits
 
     from graphrt import LLM, SamplingParams
     from graphrt.kernels import gemv
+    from graphrt.models import kernel_policy
 
+    # GEMV layers for one token only (tiny's small layers would take up to four, each row a program of
+    # its own: slow in the interpreter; test_gemv.py checks several rows against float64).
+    monkeypatch.setattr(kernel_policy, "GEMV_THRESHOLDS",
+                        dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, small_layer_bytes=0))
     gemv_rows = []  # the token count of every GEMV call
     linear_gemv = gemv.linear_gemv
     monkeypatch.setattr(gemv, "linear_gemv", lambda x, *a, **k: gemv_rows.append(x.shape[0]) or linear_gemv(x, *a, **k))

@@ -28,9 +28,16 @@ def test_layer_bytes_are_the_built_layers_weights(preset, dtype):
 def test_the_bounds_come_from_the_thresholds_given():
     config = PRESETS["smollm2-135m"]
     size = layer_weight_bytes(config, torch.bfloat16)
-    tight = dataclasses.replace(GEMV_THRESHOLDS, max_layer_bytes=size - 1, max_dependent_layer_bytes=size)
+    tight = dataclasses.replace(GEMV_THRESHOLDS, max_layer_bytes=size - 1, max_dependent_layer_bytes=size,
+                                small_layer_bytes=size - 1)
     assert KernelPolicy.choose(config, torch.bfloat16, True, thresholds=tight).gemv_max_tokens == 0
     assert KernelPolicy.choose(config, torch.bfloat16, True, True, thresholds=tight).gemv_max_tokens == 1
+    small = dataclasses.replace(tight, small_layer_bytes=size, rows_max_tokens=16)
+    policy = KernelPolicy.choose(config, torch.bfloat16, True, True, thresholds=small)
+    assert policy.gemv_max_tokens == 4 and policy.gemv_rows_max_tokens == 16
+    assert [policy.runs_gemv_rows(n) for n in (1, 4, 5, 16, 17)] == [False, False, True, True, False]
+    assert KernelPolicy.choose(config, torch.bfloat16, True, True, thresholds=small,
+                               quantization="fp8").gemv_rows_max_tokens == 0  # 16-bit weights only
     assert "H200" in GEMV_THRESHOLDS.measured_on and "profiles/notes" in GEMV_THRESHOLDS.measured_on
 
 
@@ -41,6 +48,8 @@ def test_contradicting_options_are_refused():
         KernelPolicy(fused=False, gemv_max_tokens=1)
     with pytest.raises(ValueError, match="dependent_launch needs fused_kernels"):
         KernelPolicy.choose(PRESETS["tiny"], torch.float32, False, True)
+    with pytest.raises(ValueError, match="few-row GEMV layers need the GEMV layers and 16-bit weights"):
+        KernelPolicy(fused=True, gemv_rows_max_tokens=16)
 
 
 @pytest.mark.parametrize("tokens,runs", [(0, False), (1, True), (2, False)])
