@@ -9,7 +9,9 @@ For the decoder matrices of Llama-3.2-1B, Llama-3-8B and SmolLM2-135M (bf16), on
    the GEMV kernels that take those neighbours in, launched plainly and as dependents with
    ``gemv.general_config``'s tiles, and as dependents with the sweep's best tile per matrix; up to 16
    rows also the few-row kernels (``gemv_rows.linear_rows``, dependents, default tiles; ``rows_pdl``);
-   and the LM head with the final norm.
+   and the LM head with the final norm;
+3. with ``--rows-sweep R``: each matrix at R rows on the few-row kernels for every tile of
+   ``ROWS_SWEEP_TILES``, beside cuBLAS and the GEMV kernels.
 
 Every timing is a CUDA-graph replay of the op over enough weight copies (>= 256 MB) that the weights
 stream from HBM as in a real step, so a time includes each kernel's in-graph latency. Medians of 20
@@ -42,6 +44,9 @@ MIN_BYTES = 256 << 20
 SWEEP_TILES = [gemv.TileConfig(bn, bk, w)
                for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8)) if bn * bk <= 16384]
 MATRICES = ("qkv", "o", "gate_up", "down")
+#: Tiles of the few-row kernels tried by ``--rows-sweep`` (tensor-core products: 16 or more outputs).
+ROWS_SWEEP_TILES = [gemv_rows.RowsTileConfig(bn, bk, 4, stages)
+                    for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (2, 4))]
 
 
 def time_graph(ops, replays: int = 20) -> float:
@@ -120,6 +125,44 @@ def sweep(results: dict) -> None:
                   f"{row['default']} {row['default_us'] or float('nan'):.2f}  best: "
                   + ", ".join(f"{label} {timed[label]:.2f}" for label in top), flush=True)
             results["sweep"].append(row)
+            del ws
+            torch.cuda.empty_cache()
+
+
+def rows_sweep(results: dict, rows: int) -> None:
+    """Every tile of ROWS_SWEEP_TILES on each model's four matrices at ``rows`` rows, as the layer runs
+    them on the few-row kernels (dependent launches), beside cuBLAS and the GEMV kernels at their
+    default tiles; records the best tile per matrix in ``results["best_rows_tiles"]``."""
+    eps = 1e-5
+    for model in MODELS:
+        for name in MATRICES:
+            n, k = shape(model, name)
+            ws = weights(n, k)
+            x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+            out = torch.randn(rows, n // 2 if name == "gate_up" else n, device="cuda", dtype=DTYPE)
+            norm_w = torch.randn(k, device="cuda", dtype=DTYPE)
+            row = {"model": model, "matrix": name, "n": n, "k": k, "rows": rows, "bytes": n * k * 2,
+                   "cublas_us": 1e3 * time_graph([lambda w=w: F.linear(x, w) for w in ws]),
+                   "gemv_us": 1e3 * time_graph([lambda w=w: layer_op(name, x, w, out, norm_w, eps,
+                                                                     dependent_launch=True) for w in ws]),
+                   "configs": {}}
+            for cfg in ROWS_SWEEP_TILES:
+                label = f"{cfg.block_n}x{cfg.block_k} s{cfg.num_stages}"
+                try:
+                    row["configs"][label] = 1e3 * time_graph(
+                        [lambda w=w, c=cfg: layer_op(name, x, w, out, norm_w, eps, linear=gemv_rows.linear_rows,
+                                                     config=c, dependent_launch=True) for w in ws])
+                except Exception as error:  # out of shared memory / registers for that tile
+                    row["configs"][label] = repr(error)[:80]
+            timed = {label: us for label, us in row["configs"].items() if isinstance(us, float)}
+            best = min(timed, key=timed.get)
+            row["best"], row["best_us"] = best, timed[best]
+            results["best_rows_tiles"].setdefault(model, {})[name] = next(
+                c for c in ROWS_SWEEP_TILES if f"{c.block_n}x{c.block_k} s{c.num_stages}" == best).__dict__.copy()
+            print(f"{model:13} {name:8} rows {rows:2}: cuBLAS {row['cublas_us']:7.2f} us  GEMV {row['gemv_us']:7.2f}  "
+                  "few-row best: " + ", ".join(f"{label} {timed[label]:.2f}" for label in sorted(timed, key=timed.get)[:4]),
+                  flush=True)
+            results["rows_sweep"].append(row)
             del ws
             torch.cuda.empty_cache()
 
@@ -222,13 +265,17 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     parser.add_argument("--sweep-only", action="store_true", help="only the tile sweep")
     parser.add_argument("--rows", default="1", help="row counts of the layer comparison")
+    parser.add_argument("--rows-sweep", type=int, default=None, metavar="ROWS",
+                        help="also sweep the few-row kernels' tiles at this many rows (2-16)")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hbm_tb_per_s": measure_read_bandwidth(torch.device("cuda")) / 1e12,
-               "sweep": [], "best_tiles": {}, "layer": [], "lm_head": []}
+               "sweep": [], "best_tiles": {}, "layer": [], "lm_head": [], "rows_sweep": [], "best_rows_tiles": {}}
     print(f"HBM read bandwidth {results['hbm_tb_per_s']:.2f} TB/s", flush=True)
     if not args.no_sweep:
         sweep(results)
+    if args.rows_sweep is not None:
+        rows_sweep(results, args.rows_sweep)
     if not args.sweep_only:
         layer(results, [int(r) for r in args.rows.split(",")])
     if args.json:

@@ -168,7 +168,7 @@ for stage in $stages; do
       ;;
     gemv-rows)
       log "bench_gemv.py: a decoder layer's linear work at 1-16 rows: cuBLAS, the GEMV kernels, the few-row kernels"
-      python profiles/bench_gemv.py --no-sweep --rows 1,2,4,5,8,9,16 --json "$OUT/gemv_rows_layers_$TAG.json" || status=1
+      python profiles/bench_gemv.py --no-sweep --rows-sweep 5 --rows 1,2,4,5,8,9,16 --json "$OUT/gemv_rows_layers_$TAG.json" || status=1
       ;;
     gemv-bounds)
       log "bench_gemv_bounds.py: decode and verify steps with the GEMV kernels' and the few-row kernels' bounds raised"
