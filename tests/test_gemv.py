@@ -80,9 +80,11 @@ def allowed_error(variant, expected, product, largest_term, in_features, dtype):
     return 2 * unit * (expected.double().abs() + product.double().abs()) + floor
 
 
-def check(variant, rows, out_features, in_features, dtype, seed=0, config=None, fp8_weight=False):
+def check(variant, rows, out_features, in_features, dtype, seed=0, config=None, fp8_weight=False, linear=None):
     """``fp8_weight``: the kernel reads the weight as FP8 codes with a scale per row (quantised by
-    ``quantize_per_channel``); the reference multiplies by those codes times their scales, in float64."""
+    ``quantize_per_channel``); the reference multiplies by those codes times their scales, in float64.
+    ``linear``: the function checked (default ``gemv.linear_gemv``; the few-row ``gemv_rows.linear_rows``
+    takes the same arguments)."""
     out_width = out_features // 2 if variant == "norm_silu" else out_features
     x = _randn(rows, in_features, dtype=dtype, seed=seed, scale=2.0)
     weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
@@ -99,8 +101,9 @@ def check(variant, rows, out_features, in_features, dtype, seed=0, config=None, 
                                                                device=DEVICE)
     epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(
         variant, gemv.EPILOGUE_STORE)
-    got = gemv.linear_gemv(x, codes if fp8_weight else weight, bias, norm_weight=norm_weight, eps=EPS,
-                           epilogue=epilogue, out=out, config=config, weight_scale=weight_scale)
+    linear = linear or gemv.linear_gemv
+    got = linear(x, codes if fp8_weight else weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out,
+                 config=config, weight_scale=weight_scale)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
     excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, largest_term, in_features, dtype)

@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from test_gemv import DEVICE, EPS, VARIANTS, _randn, allowed_error, reference  # noqa: E402
+import test_gemv  # noqa: E402
+from test_gemv import DEVICE, VARIANTS, _randn  # noqa: E402
 from triton_cpu import interpreted  # noqa: E402
 
 from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
@@ -25,27 +26,7 @@ CUDA = torch.cuda.is_available()
 
 
 def check(variant, rows, out_features, in_features, dtype, seed=0, config=None):
-    out_width = out_features // 2 if variant == "norm_silu" else out_features
-    x = _randn(rows, in_features, dtype=dtype, seed=seed, scale=2.0)
-    weight = _randn(out_features, in_features, dtype=dtype, seed=seed + 1, scale=in_features**-0.5)
-    bias = _randn(out_features, dtype=dtype, seed=seed + 2) if variant == "bias" else None
-    norm_weight = _randn(in_features, dtype=dtype, seed=seed + 3) if variant.startswith("norm") else None
-    residual = _randn(rows, out_width, dtype=dtype, seed=seed + 4) if variant == "add" else None
-    expected, product, largest_term = reference(variant, x, weight, bias, norm_weight, residual)
-    out = residual.clone() if variant == "add" else torch.full((rows, out_width), float("nan"), dtype=dtype,
-                                                               device=DEVICE)
-    epilogue = {"norm_silu": gemv.EPILOGUE_SILU_MUL, "add": gemv.EPILOGUE_ADD_TO_OUT}.get(variant, gemv.EPILOGUE_STORE)
-    got = gemv_rows.linear_rows(x, weight, bias, norm_weight=norm_weight, eps=EPS, epilogue=epilogue, out=out,
-                                config=config)
-    assert got.data_ptr() == out.data_ptr()
-    assert not got.isnan().any(), "an output element was never written"
-    excess = (got.double() - expected.double()).abs() - allowed_error(variant, expected, product, largest_term,
-                                                                      in_features, dtype)
-    worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{int((excess > 0).sum())} of {excess.numel()} elements off; worst at "
-                               f"{divmod(worst, excess.shape[1])}: {got.flatten()[worst].item()} vs "
-                               f"{expected.flatten()[worst].item()}")
-    return got
+    test_gemv.check(variant, rows, out_features, in_features, dtype, seed, config, linear=gemv_rows.linear_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
