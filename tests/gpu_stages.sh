@@ -17,7 +17,8 @@ status=0
 for stage in $stages; do
   case $stage in
     kernels)  # the Triton kernels against float32/float64 references, and their sm_90 launches
-      files="tests/test_fused_kernels.py tests/test_gemv.py tests/test_gemv_rows.py tests/test_qkv_rope_cache.py tests/test_triton_cache_write.py
+      files="tests/test_fused_kernels.py tests/test_gemv.py tests/test_gemv_rows.py tests/test_qkv_rope_cache.py
+             tests/test_triton_cache_write.py
              tests/test_triton_paged_decode.py tests/test_triton_prefix_prefill.py tests/test_xformers_prefill.py
              tests/test_top_k_top_p.py tests/test_dependent_launch.py" ;;
     engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release,
