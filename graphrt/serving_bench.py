@@ -157,8 +157,8 @@ def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50_ms": None, "p99_ms": None}
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50_ms": round(1e3 * statistics.median(ordered), 3), "p99_ms": round(1e3 * pick(0.99), 3)}
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50_ms": round(1e3 * statistics.median(ordered), 3), "p99_ms": round(1e3 * p99, 3)}
 
 
 def summarize(timings: list[RequestTiming], duration_s: float) -> dict:

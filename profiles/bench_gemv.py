@@ -204,12 +204,16 @@ def layer(results: dict, rows_list) -> None:
             act = torch.empty(rows, inter, device="cuda", dtype=DTYPE)
             qkv_out = torch.empty(rows, qkv, device="cuda", dtype=DTYPE)
 
+            def matrices(i):
+                """(name, input, weight copy i, output) of the layer's four products, in order."""
+                return (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
+                        ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual))
+
             def with_gemv(i, dependent_launch, tiles):
                 launch = dict(dependent_launch=dependent_launch)
 
                 def run():
-                    for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
-                                            ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
+                    for name, x, w, out in matrices(i):
                         config = (gemv.TileConfig(**tiles[name]) if name in tiles
                                   else gemv.general_config(x.shape[1], name == "gate_up"))
                         layer_op(name, x, w, out, norm_w, eps, config=config, **launch)
@@ -217,8 +221,7 @@ def layer(results: dict, rows_list) -> None:
 
             def with_rows(i):
                 def run():
-                    for name, x, w, out in (("qkv", residual, w_qkv[i], qkv_out), ("o", attn, w_o[i], residual),
-                                            ("gate_up", residual, w_gu[i], act), ("down", act, w_down[i], residual)):
+                    for name, x, w, out in matrices(i):
                         layer_op(name, x, w, out, norm_w, eps, linear=gemv_rows.linear_rows, dependent_launch=True)
                 return run
 

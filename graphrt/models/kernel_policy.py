@@ -95,8 +95,8 @@ class KernelPolicy:
     the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
     dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
     each layer on GEMV kernels (0 = never), and forwards of more, up to gemv_rows_max_tokens (at most
-    ``gemv_rows.MAX_ROWS``), on the few-row GEMV kernels (16-bit weights). quantization: None, or "fp8": the layers' linear weights are
-    FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
+    ``gemv_rows.MAX_ROWS``), on the few-row GEMV kernels (16-bit weights). quantization: None, or
+    "fp8": the layers' linear weights are FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
     GEMV kernels read FP8 codes with row scales (W8A16); on CUDA the other forwards with row scales run
     FP8 tensor cores with per-token activation scales (``fp8_tensor_cores``: sm_89+), or the W8A16
