@@ -18,6 +18,7 @@ captured first into one shared pool after side-stream warm-up; oversize batches,
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -249,6 +250,7 @@ class DecodeGraphRunner:
                         self._forward(key)
                     self.graphs[key] = graph
             torch.cuda.synchronize(self.device)
+            self.stats.replay_seconds = self._time_replays()
         except Exception as exc:  # any capture problem: run eagerly rather than crash
             self.graphs.clear()
             self.eager_reason = EagerReason.CAPTURE_FAILED
@@ -269,6 +271,24 @@ class DecodeGraphRunner:
             print(f"graphrt: {summary}", file=sys.stderr)
         logger.info(summary)
         return self.stats
+
+    def _time_replays(self, repeats: int = 5) -> dict[int, float]:
+        """Each bucket's greedy graph replayed ``repeats`` times on the rows staged for capture (all inert:
+        the weights and the LM head run at the bucket's rows, attention over one key): the median seconds,
+        by bucket. What a step's rows cost on the device, for the policies that weigh rows against tokens
+        (speculative drafting); attention over real contexts comes on top."""
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        seconds = {}
+        for size in self.capture_sizes:
+            graph, samples = self.graphs[GraphKey(size, "greedy")], []
+            for _ in range(repeats):
+                begin.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(begin.elapsed_time(end) / 1e3)
+            seconds[size] = statistics.median(samples)
+        return seconds
 
     # -- the one dispatch --------------------------------------------------------------------------
 

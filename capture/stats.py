@@ -28,6 +28,8 @@ class DecodeStats:
     capture_seconds: float = 0.0
     pool_bytes: int = 0
     capture_error: str | None = None
+    #: Median seconds of one replay of each bucket's greedy graph right after capture (empty without graphs).
+    replay_seconds: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -38,4 +40,5 @@ class DecodeStats:
             "capture_seconds": round(self.capture_seconds, 3),
             "pool_mib": round(self.pool_bytes / 2**20, 1),
             "capture_error": self.capture_error,
+            "replay_ms": {size: round(seconds * 1e3, 4) for size, seconds in sorted(self.replay_seconds.items())},
         }

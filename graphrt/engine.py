@@ -8,6 +8,7 @@ import itertools
 import logging
 import numbers
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,12 @@ from graphrt.base import nvtx
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.block_manager import BlockManager
-from graphrt.capture import DecodeGraphRunner, PendingTokens
+from graphrt.capture import DecodeGraphRunner, PendingTokens, choose_bucket
 from graphrt.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from graphrt.host_memory import return_freed_host_memory
 from graphrt.kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from graphrt.loader import load_weights_into, open_checkpoint
-from graphrt.loader.tokenizer import Tokenizer
+from graphrt.loader.tokenizer import TextStream, Tokenizer
 from graphrt.model_runner import ModelRunner, profile_prefill_peak_memory
 from graphrt.models.config import ModelConfig
 from graphrt.models.llama import LlamaForCausalLM
@@ -32,7 +33,8 @@ from graphrt.sampling.params import SamplingParams
 from graphrt.scheduler import Scheduler
 from graphrt.sequence import Sequence
 from graphrt.speculative.draft_model import DraftModel
-from graphrt.speculative.drafting import Drafter, SpeculativeStats
+from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
+from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +112,26 @@ class LLMEngine:
         self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
         self.drafter = None
+        #: What decode steps cost by rows (replay times, the host's share learnt from the steps), for
+        #: speculation's draft lengths (None without it).
+        self.step_costs: StepCosts | None = None
+        self._completed_step: tuple[int, str] | None = None  # (rows, step_costs kind) of the step just read
         self._draft_decode_runner: DecodeGraphRunner | None = None
         if speculative is not None:
             draft = None if self.draft_model_weights is None else self._draft_model(num_blocks, progress)
+            runner = self.decode_runner
+            self.step_costs = StepCosts(lambda: runner.stats.replay_seconds,
+                                        lambda rows: choose_bucket(runner.capture_sizes, rows))
             # The rows the decode runner's static buffers hold (fewer than decode_rows with capture_sizes given).
-            self.drafter = Drafter(speculative, self.block_manager, self.max_model_len,
-                                   self.decode_runner.max_batch_size, draft)
+            self.drafter = Drafter(speculative, self.block_manager, self.max_model_len, runner.max_batch_size,
+                                   draft, self.step_costs, PIPELINED if self.async_decode else SYNCHRONOUS)
         self._in_flight: _InFlightDecode | None = None
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
+        #: Per running sequence: its output's text so far, and the copy of its prompt ids its outputs share.
+        self._text_streams: dict[int, TextStream] = {}
+        self._prompt_copies: dict[int, list[int]] = {}
         self.closed = False
         logger.info(
             "graphrt engine: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, "
@@ -259,10 +271,12 @@ class LLMEngine:
         to be admitted or the blocks run out: a call may return no outputs while requests are
         unfinished."""
         self._check_open()
+        started, self._completed_step = time.perf_counter(), None
         with nvtx.range("step"):
-            if self._in_flight is not None:
-                return self._step_pipelined(self._in_flight)
-            return self._step()
+            outputs = self._step_pipelined(self._in_flight) if self._in_flight is not None else self._step()
+        if self.step_costs is not None and self._completed_step is not None:
+            self.step_costs.observe(*self._completed_step, time.perf_counter() - started)
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         with nvtx.range("schedule"):
@@ -271,11 +285,16 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")
             return []
-        if self.async_decode and scheduled.decodes and not scheduled.prefills and self._pipelines(scheduled.decodes):
+        plan = None
+        if self.drafter is not None and scheduled.decodes:
+            with nvtx.range("propose"):
+                plan = self.drafter.plan(scheduled.decodes)
+        if (self.async_decode and scheduled.decodes and not scheduled.prefills
+                and (plan is None or not plan.drafts_any)):
             self._in_flight = self._launch_pipelined(scheduled.decodes)
             return []
-        if self.drafter is not None and scheduled.decodes:
-            return self._step_speculative(scheduled.prefills, scheduled.decodes)
+        if plan is not None:
+            return self._step_speculative(scheduled.prefills, scheduled.decodes, plan)
         seqs = scheduled.prefills + scheduled.decodes
         try:
             token_ids, logprobs = self.runner.execute(scheduled.prefills, scheduled.decodes)
@@ -285,18 +304,21 @@ class LLMEngine:
             raise
         return self._record_tokens(seqs, token_ids, logprobs)
 
-    def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[RequestOutput]:
-        """The step's prefills, then one verify of the decodes with their drafts; each decode appends the
-        tokens verification kept (one at least), up to a stop condition."""
+    def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence],
+                          plan: DraftPlan) -> list[RequestOutput]:
+        """The step's prefills, then one verify of the decodes with their drafts (``plan``'s lengths);
+        each decode appends the tokens verification kept (one at least), up to a stop condition."""
         try:
             with nvtx.range("propose"):
-                drafts = self.drafter.propose(decodes)
+                drafts = self.drafter.propose(decodes, plan)
             token_ids, logprobs = self.runner.execute(prefills, []) if prefills else ([], [])
             sampled, scored = self.runner.verify(decodes, drafts)
         except BaseException:
             # Decodes stay as they were (their drafts' blocks stay theirs); prompts are prefilled again.
             self.scheduler.requeue_prefills(prefills)
             raise
+        if not prefills:
+            self._completed_step = (len(decodes) + sum(map(len, drafts)), SYNCHRONOUS)
         for seq, token_id, token_logprobs in zip(prefills, token_ids, logprobs):
             seq.append_token(token_id, self.max_model_len, token_logprobs)
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
@@ -314,9 +336,9 @@ class LLMEngine:
 
     def _pipelines(self, seqs: list[Sequence]) -> bool:
         """Whether a decode of ``seqs`` may be queued blind (``async_decode``): always without speculation;
-        with it, when every sequence pauses its drafting this step (a verify would have no draft to
-        check; a queued step's inputs are not known on the host, so nothing could be drafted from them)."""
-        return self.drafter is None or self.drafter.all_pausing(seqs)
+        with it, when no sequence would draft this step (a verify needs the newest tokens on the host, a
+        queued step's are not there yet), judged from what is known before the tokens in flight."""
+        return self.drafter is None or not self.drafter.plan(seqs, blind=True).drafts_any
 
     def _launch_pipelined(self, seqs: list[Sequence], ahead_from: list[int] | None = None) -> _InFlightDecode:
         """Queue a plain decode of ``seqs`` (their drafting pauses count the step)."""
@@ -353,6 +375,7 @@ class LLMEngine:
         live = [row for row, seq in enumerate(in_flight.seqs) if not seq.is_finished]
         for row in live:
             in_flight.seqs[row].num_computed_tokens = in_flight.seqs[row].num_tokens
+        self._completed_step = (len(in_flight.seqs), PIPELINED)
         if self.drafter is not None:
             self.drafter.record_plain_step([in_flight.seqs[row] for row in live])
         outputs = self._record_tokens([in_flight.seqs[row] for row in live], [token_ids[row] for row in live],
@@ -401,6 +424,8 @@ class LLMEngine:
         for seq in self.scheduler.finish_step(seqs):
             if self.drafter is not None:
                 self.drafter.forget(seq)
+            self._text_streams.pop(seq.seq_id, None)
+            self._prompt_copies.pop(seq.seq_id, None)
             del self._requests[seq.request_id]
         return outputs
 
@@ -508,13 +533,24 @@ class LLMEngine:
         return tuple(dict.fromkeys((*tokenizer_ids, *self.model_config.eos_token_ids)))
 
     def _output_of(self, seq: Sequence) -> RequestOutput:
+        """The request's output now. Its text: while it runs, decoded a step's new tokens at a time
+        (``Tokenizer.text_stream``: a character whose bytes span tokens still to come waits for them);
+        once finished, the whole output's decoding. Its prompt ids: one copy for all its outputs."""
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.is_finished:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        elif self.tokenizer is not None:
+            stream = self._text_streams.get(seq.seq_id)
+            if stream is None:
+                stream = self._text_streams[seq.seq_id] = self.tokenizer.text_stream()
+            text = stream.text_of(seq.output_token_ids)
+        prompt_ids = self._prompt_copies.get(seq.seq_id)
+        if prompt_ids is None:
+            prompt_ids = self._prompt_copies[seq.seq_id] = list(seq.prompt_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             token_ids=list(seq.output_token_ids),
             text=text,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,

@@ -7,7 +7,8 @@ Scenarios: ``repeat``, the model asked to repeat a given passage of about 300 to
 small). Each at the batch sizes given (the prompts repeated to fill a batch). Prints a table with the
 acceptance rate, tokens per verification and the median verify step (wall, its tokens read) beside
 each ratio, and a plain step (wall per token of a row), checks that both engines gave the same tokens,
-and writes ``--json``. ``--draft-model`` drafts with a model instead of prompt lookup. Models without
+and writes ``--json`` (with the decode graphs' replay times and the host's share of each kind of step
+that the speculative engine's draft lengths weigh, ``graphrt.speculative.step_costs``). ``--draft-model`` drafts with a model instead of prompt lookup. Models without
 a tokenizer get token-id prompts (a random passage, then its first half again).
 
     python profiles/bench_speculative.py --json speculative.json                 # the default model
@@ -147,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                        same_tokens=tokens["plain"] == tokens["speculative"],
                        verify_ms_median=(1e3 * sorted(verify_seconds)[len(verify_seconds) // 2]
                                          if verify_seconds else None),
-                       plain_ms_per_token_row=1e3 * batch / (generated / seconds["plain"]))
+                       plain_ms_per_token_row=1e3 * batch / (generated / seconds["plain"]),
+                       host_share_ms={kind: 1e3 * extra for kind, extra in
+                                      engines["speculative"].engine.step_costs.extra_seconds.items()})
             row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
             results.append(row)
             print(f"{scenario:>8} {batch:>5} {row['plain_tokens_per_s']:>11.1f} "
@@ -155,13 +158,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['tokens_per_verify_step']:>8.2f} "
                   f"{row['verify_ms_median'] or 0:>9.3f} {row['plain_ms_per_token_row']:>8.3f} "
                   f"{str(row['same_tokens']):>5}")
+    replay_ms = engines["speculative"].engine.decode_runner.stats.as_dict()["replay_ms"]
     for llm in engines.values():
         llm.close()
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model or "default", device=device, method=method, num_tokens=args.num_tokens,
-                           max_tokens=args.max_tokens, rows=results), f, indent=2)
+                           max_tokens=args.max_tokens, replay_ms=replay_ms, rows=results), f, indent=2)
 
 
 if __name__ == "__main__":

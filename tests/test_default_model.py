@@ -51,6 +51,21 @@ def test_answers_the_capital_of_france(llm):
     assert out.finish_reason == "stop"
 
 
+def test_streamed_text_grows_to_the_final_text(llm):
+    """Each step's output text (decoded a step's tokens at a time) extends the one before; the finished
+    request's text is the decoding of all its tokens."""
+    engine = llm.engine
+    engine.add_request(llm.chat_prompt_ids("Write a haiku about the sea, with an emoji."),
+                       SamplingParams(temperature=0.8, seed=3, max_tokens=48), request_id="stream")
+    texts, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts.append(out.text)
+            final = out
+    assert len(texts) > 5 and all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert final.finished and final.text == engine.tokenizer.decode(final.token_ids)
+
+
 def test_speculation_gives_the_same_greedy_tokens(llm):
     """Prompt-lookup drafts (kept on the repeat request, rare on the questions) change no token in float32."""
     prompts = [llm.chat_prompt_ids(q) for q in [REPEAT_QUESTION, *QUESTIONS[:2]]]

@@ -293,7 +293,7 @@ def test_stops_inside_a_verify_interrupts_and_finished_requests_leave_nothing_be
         for index, prompt in enumerate(PROMPTS[1:], start=1):
             engine.add_request(prompt, stopped, request_id=str(index))
         propose = engine.drafter.propose
-        monkeypatch.setattr(engine.drafter, "propose", lambda seqs: (_ for _ in ()).throw(KeyboardInterrupt()))
+        monkeypatch.setattr(engine.drafter, "propose", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):
             engine.step()
         monkeypatch.setattr(engine.drafter, "propose", propose)

@@ -382,3 +382,20 @@ def test_generation_stops_on_every_eos_of_the_model_not_only_the_tokenizers(tmp_
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, free[2]]}))
     out = LLM(str(tmp_path), **options).generate(prompt, params)[0]
     assert out.token_ids == free[:3] and out.finish_reason == "stop"
+
+
+def test_text_stream_decodes_as_the_whole_list(pair):
+    """A request's text while it runs (``Tokenizer.text_stream``, one id at a time or several): each
+    step's text a prefix of the next, the last one the whole list's decoding; a character whose UTF-8
+    bytes span ids waits for the last of them."""
+    _, ours, _ = pair
+    for text in STRINGS:
+        ids = ours.encode(text)
+        for stride in (1, 3):
+            stream, texts = ours.text_stream(), []
+            for end in [*range(stride, len(ids), stride), len(ids)]:
+                texts.append(stream.text_of(ids[:end]))
+            assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])), text
+            assert texts[-1] == ours.decode(ids), text
+    rocket = ours.encode("🚀")  # four bytes, more than one byte-level token
+    assert len(rocket) > 1 and "\ufffd" not in ours.text_stream().text_of(rocket[:-1])

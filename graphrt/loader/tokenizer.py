@@ -199,6 +199,30 @@ _GGUF_MODELS: dict[str, _GGUFModel] = {
 }
 
 
+class TextStream:
+    """The text of a list of token ids that grows at its end (a request's output while it decodes):
+    ``text_of(ids)`` decodes only the ids added since the last call (``tokenizers``'
+    ``DecodeStream``, which holds back a character whose UTF-8 bytes span ids not all there yet), so a
+    step costs its new tokens, not the whole text. Where a tokenizer's decoding of a whole list differs
+    from the concatenation of its parts (clean-up of spaces around punctuation, a leading space), the
+    whole list's decoding is the reference: ``Tokenizer.decode``."""
+
+    def __init__(self, backend: BackendTokenizer, skip_special_tokens: bool = True) -> None:
+        self._backend = backend
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._decoded = 0
+        self.text = ""
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text of ``ids``: the ids given before, then new ones (the earlier ones are not re-read)."""
+        for token_id in ids[self._decoded:]:
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk:
+                self.text += chunk
+        self._decoded = len(ids)
+        return self.text
+
+
 class Tokenizer:
     """Encodes text to token ids (``list[int]``) and back, and renders chat templates.
 
@@ -322,6 +346,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 sequence decodes to U+FFFD, as in HF."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """A ``TextStream``: the text of a growing list of ids, each new id decoded on its own."""
+        return TextStream(self._backend, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's chat template.

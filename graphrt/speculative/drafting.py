@@ -20,7 +20,9 @@ from graphrt.block_manager import BlockManager
 from graphrt.sequence import Sequence
 from graphrt.speculative.config import SpeculativeConfig
 from graphrt.speculative.draft_model import DraftModel
+from graphrt.speculative.draft_policy import Acceptance, plan_lengths
 from graphrt.speculative.ngram import NgramIndex
+from graphrt.speculative.step_costs import SYNCHRONOUS, StepCosts
 
 #: Steps a sequence stops drafting after consecutive verifies that kept no draft token: doubled on each
 #: further miss, up to ``MAX_PAUSE`` (a rejected draft costs a verify of several rows for one token).
@@ -43,7 +45,7 @@ def _through_first_stop(seq: Sequence, draft: list[int]) -> list[int]:
 
 
 class DraftLength:
-    """A request's next draft length: one more (up to k) after a draft kept whole, one more than it
+    """A request's next draft length with a draft model: one more (up to k) after a draft kept whole, one more than it
     kept after a partial one (so the next verify has one row to spare), and after a verify that kept
     nothing a pause in drafting that doubles while misses repeat (reset by any kept token)."""
 
@@ -106,55 +108,99 @@ class SpeculativeStats:
         self.produced_tokens += produced
 
 
+@dataclass
+class DraftPlan:
+    """A step's draft lengths, one per sequence (0: no draft), and with prompt lookup the lookups they
+    were chosen from (``Drafter.plan``)."""
+
+    lengths: list[int]
+    lookups: list[list[int]] | None = None
+
+    @property
+    def drafts_any(self) -> bool:
+        return any(self.lengths)
+
+
 class Drafter:
     """Drafts for the decoding sequences and the bookkeeping of what verification kept. One per engine;
-    a sequence's index and draft length live from its first draft until ``forget``."""
+    a sequence's index, acceptance and draft length live from its first step until ``forget``.
+
+    Prompt lookup's lengths come from ``draft_policy``: each request's acceptance is learnt from its
+    verifies and, where it drafts nothing, from its lookups checked against the tokens the target then
+    gave (a lookup costs no forward), and the step's rows are weighed against the tokens they may bring
+    with ``costs``. A draft model's lengths follow ``DraftLength`` (its drafts cost its forwards, so
+    its acceptance is learnt from verifies alone, with pauses after misses)."""
 
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
-                 max_rows: int, draft_model: DraftModel | None = None) -> None:
+                 max_rows: int, draft_model: DraftModel | None = None, costs: StepCosts | None = None,
+                 plain_kind: str = SYNCHRONOUS) -> None:
         self.config, self.block_manager = config, block_manager
         self.max_model_len, self.max_rows = max_model_len, max_rows
         #: With method "draft": the model that drafts (else prompt lookup does).
         self.draft_model = draft_model
+        #: What a step's rows cost (prompt lookup's lengths weigh them), and how a plain step runs.
+        self.costs, self.plain_kind = costs, plain_kind
         self._indexes: dict[int, NgramIndex] = {}
         self._lengths: dict[int, DraftLength] = {}
+        self._acceptance: dict[int, Acceptance] = {}
+        self._lookups: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (token count then, lookup) unchecked
         self.stats = SpeculativeStats()
         self.request_stats: dict[int, SpeculativeStats] = {}
 
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """A draft per sequence (possibly empty), the sequences' block tables grown to cover their draft
-        positions. A draft never runs past ``max_tokens`` or ``max_model_len`` (the last kept token is
-        always the target's own), the step's rows stay within ``max_rows`` (earlier sequences first),
-        and a sequence whose draft positions need blocks the cache lacks drafts nothing (no preemption
-        for speculation)."""
-        lengths: list[int] = []
-        spare_rows = self.max_rows - len(seqs)
-        for seq in seqs:
-            length = self._length(seq).next()
-            room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            length = max(0, min(length, room, spare_rows))
-            spare_rows -= length
-            lengths.append(length)
+    def plan(self, seqs: list[Sequence], blind: bool = False) -> DraftPlan:
+        """The draft lengths of a step of ``seqs``. ``blind``: the step is planned before the tokens of
+        the step in flight are known (whether to queue it blind): lookups are not redone then, the
+        latest unchecked one stands in. The lengths keep every draft within the request's
+        ``max_tokens`` and ``max_model_len`` (the last kept token is always the target's own) and the
+        step within ``max_rows`` (earlier sequences first)."""
+        rooms = [min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+                 for seq in seqs]
         if self.draft_model is not None:
-            drafts = self.draft_model.propose(seqs, lengths)
+            lengths, spare_rows = [], self.max_rows - len(seqs)
+            for seq, room in zip(seqs, rooms):
+                length = self._length(seq)
+                lengths.append(max(0, min(0 if length.pausing else length.length, room, spare_rows)))
+                spare_rows -= lengths[-1]
+            return DraftPlan(lengths)
+        for seq in seqs:
+            self._check_lookup(seq)
+        lookups = [self._lookups.get(seq.seq_id, (0, []))[1] if blind else self._lookup(seq) for seq in seqs]
+        caps = [max(0, min(len(lookup), room)) for lookup, room in zip(lookups, rooms)]
+        if self.config.adaptive:
+            rates = [self._acceptance_of(seq).rate for seq in seqs]
+            lengths = plan_lengths(rates, caps, self.costs, self.plain_kind, self.max_rows)
         else:
-            drafts = [self._index(seq).propose(length) if length else [] for seq, length in zip(seqs, lengths)]
+            lengths, spare_rows = [], self.max_rows - len(seqs)
+            for cap in caps:
+                lengths.append(min(cap, spare_rows))
+                spare_rows -= lengths[-1]
+        return DraftPlan(lengths, lookups)
+
+    def propose(self, seqs: list[Sequence], plan: DraftPlan) -> list[list[int]]:
+        """A draft per sequence (possibly empty) as ``plan`` (``plan(seqs)``) sets their lengths, the
+        sequences' block tables grown to cover their draft positions. A sequence whose draft positions
+        need blocks the cache lacks drafts nothing (no preemption for speculation)."""
+        if self.draft_model is not None:
+            for seq in seqs:
+                self._length(seq).next()  # counts a step of a pause
+            drafts = self.draft_model.propose(seqs, plan.lengths)
+        else:
+            drafts = [lookup[:length] for lookup, length in zip(plan.lookups, plan.lengths)]
         for index, (seq, draft) in enumerate(zip(seqs, drafts)):
             draft = drafts[index] = _through_first_stop(seq, draft)
             if draft and not self.block_manager.can_grow(seq.seq_id, seq.num_tokens + len(draft)):
                 drafts[index] = []
             elif draft:
                 self.block_manager.grow(seq.seq_id, seq.num_tokens + len(draft))
+            if drafts[index]:
+                self._lookups.pop(seq.seq_id, None)  # its verify tells what it would have told
         return drafts
 
-    def all_pausing(self, seqs: list[Sequence]) -> bool:
-        """Whether every one of ``seqs`` pauses its drafting this step (a sequence's first step drafts)."""
-        return all(seq.seq_id in self._lengths and self._lengths[seq.seq_id].pausing for seq in seqs)
-
     def pass_step(self, seqs: list[Sequence]) -> None:
-        """A step of ``seqs`` that drafts nothing (a plain decode, queued while they pause)."""
-        for seq in seqs:
-            self._length(seq).next()
+        """A step of ``seqs`` that drafts nothing (a plain decode, queued blind)."""
+        if self.draft_model is not None:
+            for seq in seqs:
+                self._length(seq).next()
 
     def record_plain_step(self, seqs: list[Sequence]) -> None:
         """Counts a plain decode step's token for each of ``seqs`` (no draft proposed)."""
@@ -172,20 +218,61 @@ class Drafter:
         return sampled[:kept + 1]
 
     def record(self, seq: Sequence, proposed: int, kept: int, appended: int) -> None:
-        """After a verify: ``kept`` of ``proposed`` draft tokens kept, ``appended`` tokens appended (fewer
-        than ``kept + 1`` when a stop condition came first). Updates the draft length and the counts."""
-        self._length(seq).update(proposed, kept)
+        """After a step: ``kept`` of ``proposed`` draft tokens kept, ``appended`` tokens appended (fewer
+        than ``kept + 1`` when a stop condition came first). Updates the acceptance (or the draft
+        length) and the counts; with prompt lookup, checks the pending lookup against the appended tokens
+        and, once it is scored, looks up at the new end."""
+        if self.draft_model is not None:
+            self._length(seq).update(proposed, kept)
+        else:
+            self._acceptance_of(seq).observe(proposed, kept)
+            self._check_lookup(seq)
+            if seq.seq_id not in self._lookups and not seq.is_finished:
+                self._lookup(seq)
         accepted = min(kept, appended)
         self.stats.add(proposed, accepted, appended)
         self.request_stats.setdefault(seq.seq_id, SpeculativeStats()).add(proposed, accepted, appended)
 
     def forget(self, seq: Sequence) -> None:
-        """Drop a finished sequence's index (or draft-model shadow), draft length and statistics."""
+        """Drop a finished sequence's index (or draft-model shadow), acceptance, draft length and
+        statistics."""
         if self.draft_model is not None:
             self.draft_model.forget(seq)
-        self._indexes.pop(seq.seq_id, None)
-        self._lengths.pop(seq.seq_id, None)
-        self.request_stats.pop(seq.seq_id, None)
+        for state in (self._indexes, self._lengths, self._acceptance, self._lookups, self.request_stats):
+            state.pop(seq.seq_id, None)
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The lookup at the end of the known tokens: the pending one if it was made there, else a new
+        one, which becomes the pending one when none is (checked against the tokens to come)."""
+        pending = self._lookups.get(seq.seq_id)
+        if pending is not None and pending[0] == seq.num_tokens:
+            return pending[1]
+        lookup = self._index(seq).propose(self.config.num_tokens)
+        if pending is None:
+            self._lookups[seq.seq_id] = (seq.num_tokens, lookup)
+        return lookup
+
+    def _check_lookup(self, seq: Sequence) -> None:
+        """Score the pending lookup of ``seq`` as a verify would have once the tokens it guessed are
+        known (or its first wrong one is), and drop it."""
+        pending = self._lookups.get(seq.seq_id)
+        if pending is None:
+            return
+        start, lookup = pending
+        first = start - len(seq.prompt_token_ids)  # lookups are made while decoding: past the prompt
+        came = seq.output_token_ids[first:first + len(lookup)]
+        matched = 0
+        while matched < len(came) and came[matched] == lookup[matched]:
+            matched += 1
+        if matched == len(lookup) or matched < len(came):
+            self._acceptance_of(seq).observe(len(lookup), matched)
+            del self._lookups[seq.seq_id]
+
+    def _acceptance_of(self, seq: Sequence) -> Acceptance:
+        acceptance = self._acceptance.get(seq.seq_id)
+        if acceptance is None:
+            acceptance = self._acceptance[seq.seq_id] = Acceptance()
+        return acceptance
 
     def _index(self, seq: Sequence) -> NgramIndex:
         index = self._indexes.get(seq.seq_id)

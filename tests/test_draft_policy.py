@@ -1,0 +1,135 @@
+"""Prompt lookup's draft lengths: the acceptance estimate, the step-cost model, the plan that weighs a
+verify's rows against the tokens they may bring, lookups scored while nothing is drafted, and the
+engine with measured-looking costs on the CPU (drafting stops where verifies cost more than they
+bring, and the output never changes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt import LLM, SamplingParams
+from graphrt.capture import choose_bucket
+from graphrt.speculative import draft_policy, ngram
+from graphrt.speculative.draft_policy import MIN_TOKEN_GAIN, Acceptance, plan_lengths
+from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
+
+BUCKETS = [1, 2, 4, 8, 16]
+
+
+def _costs(replay_ms: dict[int, float]) -> StepCosts:
+    seconds = {size: ms / 1e3 for size, ms in replay_ms.items()}
+    return StepCosts(lambda: seconds, lambda rows: choose_bucket(sorted(seconds), rows))
+
+
+def test_acceptance_follows_the_latest_outcomes():
+    acceptance = Acceptance()
+    assert acceptance.rate == pytest.approx(0.5)  # the prior
+    for _ in range(10):
+        acceptance.observe(4, 4)
+    high = acceptance.rate
+    assert high > 0.95
+    acceptance.observe(0, 0)  # nothing proposed: no evidence
+    assert acceptance.rate == high
+    for _ in range(10):
+        acceptance.observe(4, 0)
+    assert acceptance.rate < 0.4  # misses outweigh older runs within about ten outcomes
+
+
+def test_step_costs_add_each_kinds_measured_host_share_to_the_replay():
+    costs = _costs({1: 1.0, 2: 1.5, 4: 2.0})
+    assert costs.known and costs.step(3, SYNCHRONOUS) == pytest.approx(2e-3)  # bucket 4, nothing learnt yet
+    assert costs.step(5, SYNCHRONOUS) is None  # past the largest bucket
+    costs.observe(3, SYNCHRONOUS, 2.5e-3)  # the first step of a kind sets its share
+    assert costs.step(1, SYNCHRONOUS) == pytest.approx(1.5e-3) and costs.step(1, PIPELINED) == pytest.approx(1e-3)
+    costs.observe(1, SYNCHRONOUS, 1e-3)  # then a moving average (a step faster than its replay adds 0)
+    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.5e-3 * (1 - 0.1))
+    assert not StepCosts(dict, lambda rows: 1).known
+
+
+def test_plan_drafts_where_the_rows_pay_for_themselves():
+    # One row 1 ms; 8 rows 1.4 ms; 16 rows 3 ms: drafting 7 tokens fills bucket 8, an eighth would cost bucket 16.
+    costs = _costs({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 16: 3.0})
+    assert plan_lengths([0.97], [10], costs, PIPELINED, 16) == [7]
+    assert plan_lengths([0.97], [3], costs, PIPELINED, 16) == [3]  # the lookup's length caps it
+    assert plan_lengths([0.35], [10], costs, PIPELINED, 16) == [1]  # a second row costs a tenth of a step
+    assert plan_lengths([0.25], [10], costs, PIPELINED, 16) == [0]  # below MIN_TOKEN_GAIN
+    # The same acceptance against rows that cost almost a step each: nothing pays.
+    steep = _costs({1: 1.0, 2: 1.9, 4: 3.7, 8: 7.0, 16: 14.0})
+    assert plan_lengths([0.9], [8], steep, PIPELINED, 16) == [0]
+    # A verify must beat the plain step it replaces, host share included.
+    costs.observe(1, SYNCHRONOUS, 3.4e-3)  # verifies wait 2 ms on the host; pipelined steps hide it
+    assert plan_lengths([0.6], [10], costs, PIPELINED, 16) == [0]
+    assert plan_lengths([0.6], [10], costs, SYNCHRONOUS, 16) == [2]  # a synchronous plain step pays it too
+    assert plan_lengths([0.97], [10], costs, PIPELINED, 16) == [7]  # long drafts still pay
+
+
+def test_plan_prefers_likely_tokens_and_keeps_within_the_rows():
+    costs = _costs({size: 1.0 for size in BUCKETS})  # rows free up to 16
+    lengths = plan_lengths([0.9, 0.5, 0.99], [4, 4, 4], costs, PIPELINED, 16)
+    assert lengths == [4, 1, 4]  # 0.5 ** 2 < MIN_TOKEN_GAIN
+    assert 0.5 ** 2 < MIN_TOKEN_GAIN <= 0.5
+    assert plan_lengths([0.6, 0.9], [8, 8], costs, PIPELINED, 8) == [1, 5]  # 6 spare rows, likeliest first
+    assert plan_lengths([0.9, 0.9], [8, 8], costs, PIPELINED, 4) == [1, 1]  # ties: earlier sequences first
+    # Without measured costs (no graphs) rows count as free.
+    assert plan_lengths([0.9, 0.5], [4, 4], None, PIPELINED, 16) == [4, 1]
+    assert plan_lengths([0.9], [4], StepCosts(dict, lambda rows: rows), PIPELINED, 16) == [4]
+
+
+def _llm(**options) -> LLM:
+    defaults = dict(dtype="float32", device="cpu", max_model_len=96, max_num_seqs=4, num_kv_blocks=64,
+                    block_size=4, loader_options={"init_std": 0.2}, progress=False)
+    return LLM("random:tiny", **{**defaults, **options})
+
+
+PROMPTS = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17)]
+
+
+def _lookups_from(monkeypatch, reference: dict[tuple, list[int]], right_from: int):
+    """Lookups that guess the output without speculation (``reference``), wrong in their first token
+    before output index ``right_from``."""
+    def propose(index, num_tokens):
+        prompt = next(p for p in reference if tuple(index.tokens[:len(p)]) == p)
+        done = len(index.tokens) - len(prompt)
+        guess = list(reference[prompt][done:done + num_tokens])
+        return [(guess[0] + 1) % 512, *guess[1:]] if guess and done < right_from else guess
+    monkeypatch.setattr(ngram.NgramIndex, "propose", propose)
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_lookups_scored_while_not_drafting_bring_drafting_back(monkeypatch, async_decode):
+    """Lookups wrong at first: acceptance falls below what a draft token needs and drafting stops;
+    the lookups go on being checked against the target's tokens without a verify, and once they are
+    right drafting resumes. The output is the output without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    _lookups_from(monkeypatch, {tuple(p): out for p, out in zip(PROMPTS, plain)}, right_from=12)
+    with _llm(speculative="ngram:4", async_decode=async_decode) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.speculative_stats
+    assert [out.token_ids for out in outs] == plain
+    # Early drafts (the prior) miss; then none until lookups score well; then whole drafts.
+    assert stats.proposed_tokens > stats.accepted_tokens > 20 and stats.tokens_per_step > 1.5
+    for out in outs:
+        assert out.speculative.proposed_tokens - out.speculative.accepted_tokens <= 4
+
+
+def test_measured_costs_that_rows_do_not_pay_for_stop_drafting(monkeypatch):
+    """With replay times where every row costs a step, prompt lookup drafts nothing even when its
+    lookups are always right; with rows almost free it drafts them. Same output either way. One
+    sequence at a time: a batch padded to its bucket has rows to spare, which cost nothing."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    _lookups_from(monkeypatch, {tuple(p): out for p, out in zip(PROMPTS, plain)}, right_from=0)
+    proposed = {}
+    for name, per_row in (("steep", 1.0), ("flat", 0.01)):
+        with _llm(speculative="ngram:4", max_num_seqs=1) as llm:
+            # Replays of seconds: the CPU's steps take less, so nothing is learnt on top of them.
+            replay = {size: 1.0 + per_row * (size - 1) for size in llm.engine.decode_runner.capture_sizes}
+            llm.engine.decode_runner.stats.replay_seconds = replay
+            outs = llm.generate(PROMPTS, params)
+            proposed[name] = llm.engine.speculative_stats.proposed_tokens
+        assert [out.token_ids for out in outs] == plain
+    assert proposed["steep"] == 0 and proposed["flat"] > 20
+    assert draft_policy.MARGIN > 0
