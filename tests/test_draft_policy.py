@@ -11,7 +11,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture import choose_bucket
 from graphrt.speculative import draft_policy, ngram
 from graphrt.speculative.draft_policy import MIN_TOKEN_GAIN, Acceptance, plan_lengths
-from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
+from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, WINDOW, StepCosts
 
 BUCKETS = [1, 2, 4, 8, 16]
 
@@ -41,8 +41,14 @@ def test_step_costs_add_each_kinds_measured_host_share_to_the_replay():
     assert costs.step(5, SYNCHRONOUS) is None  # past the largest bucket
     costs.observe(3, SYNCHRONOUS, 2.5e-3)  # the first step of a kind sets its share
     assert costs.step(1, SYNCHRONOUS) == pytest.approx(1.5e-3) and costs.step(1, PIPELINED) == pytest.approx(1e-3)
-    costs.observe(1, SYNCHRONOUS, 1e-3)  # then a moving average (a step faster than its replay adds 0)
-    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.5e-3 * (1 - 0.1))
+    costs.observe(1, SYNCHRONOUS, 1e-3)  # then the median of the latest (a step faster than its replay adds 0)
+    costs.observe(1, SYNCHRONOUS, 1.2e-3)
+    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.2e-3)
+    for _ in range(WINDOW):  # one slow step does not last: the window forgets it
+        costs.observe(1, SYNCHRONOUS, 1.1e-3)
+    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.1e-3)
+    costs.observe(1, SYNCHRONOUS, 50e-3)
+    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.1e-3)
     assert not StepCosts(dict, lambda rows: 1).known
 
 
