@@ -302,7 +302,10 @@ class LLMEngine:
             # Decodes left as they were run this token again next step; prompts are prefilled again.
             self.scheduler.requeue_prefills(scheduled.prefills)
             raise
-        return self._record_tokens(seqs, token_ids, logprobs)
+        outputs = self._record_tokens(seqs, token_ids, logprobs)
+        if self.drafter is not None:
+            self.drafter.begin([seq for seq in scheduled.prefills if not seq.is_finished])
+        return outputs
 
     def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence],
                           plan: DraftPlan) -> list[RequestOutput]:
@@ -321,6 +324,7 @@ class LLMEngine:
             self._completed_step = (len(decodes) + sum(map(len, drafts)), SYNCHRONOUS)
         for seq, token_id, token_logprobs in zip(prefills, token_ids, logprobs):
             seq.append_token(token_id, self.max_model_len, token_logprobs)
+        self.drafter.begin([seq for seq in prefills if not seq.is_finished])
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
             kept = self.drafter.kept_tokens(draft, row_tokens)
             appended = 0

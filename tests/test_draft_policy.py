@@ -41,14 +41,18 @@ def test_step_costs_add_each_kinds_measured_host_share_to_the_replay():
     assert costs.step(5, SYNCHRONOUS) is None  # past the largest bucket
     costs.observe(3, SYNCHRONOUS, 2.5e-3)  # the first step of a kind sets its share
     assert costs.step(1, SYNCHRONOUS) == pytest.approx(1.5e-3) and costs.step(1, PIPELINED) == pytest.approx(1e-3)
-    costs.observe(1, SYNCHRONOUS, 1e-3)  # then the median of the latest (a step faster than its replay adds 0)
-    costs.observe(1, SYNCHRONOUS, 1.2e-3)
+    for _ in range(3):  # then the lower quartile of the latest (a step faster than its replay adds 0)
+        costs.observe(1, SYNCHRONOUS, 1.2e-3)
     assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.2e-3)
-    for _ in range(WINDOW):  # one slow step does not last: the window forgets it
+    for _ in range(WINDOW):  # slow first steps do not last, nor price the kind out while they are seen
         costs.observe(1, SYNCHRONOUS, 1.1e-3)
     assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.1e-3)
-    costs.observe(1, SYNCHRONOUS, 50e-3)
+    for _ in range(WINDOW // 2):
+        costs.observe(1, SYNCHRONOUS, 50e-3)
     assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(0.1e-3)
+    for _ in range(WINDOW):  # steps that stay slow are believed
+        costs.observe(1, SYNCHRONOUS, 3e-3)
+    assert costs.extra_seconds[SYNCHRONOUS] == pytest.approx(2e-3)
     assert not StepCosts(dict, lambda rows: 1).known
 
 
@@ -139,3 +143,15 @@ def test_measured_costs_that_rows_do_not_pay_for_stop_drafting(monkeypatch):
         assert [out.token_ids for out in outs] == plain
     assert proposed["steep"] == 0 and proposed["flat"] > 20
     assert draft_policy.MARGIN > 0
+
+
+def test_prompts_are_indexed_in_their_prefill_step():
+    """The prompt's n-gram index (work in the prompt's length) is built in the prefill's step, not in the
+    first decode step, whose time the draft lengths weigh."""
+    with _llm(speculative="ngram:4") as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.step()  # the prefill
+        [seq] = engine.scheduler.running
+        index = engine.drafter._indexes[seq.seq_id]
+        assert len(index.tokens) == seq.num_tokens and seq.seq_id in engine.drafter._lookups

@@ -147,6 +147,14 @@ class Drafter:
         self.stats = SpeculativeStats()
         self.request_stats: dict[int, SpeculativeStats] = {}
 
+    def begin(self, seqs: list[Sequence]) -> None:
+        """Sequences just prefilled: with prompt lookup, index their prompts and look up once now, in the
+        prefill's step, so that the decode steps (whose times the draft lengths weigh) do per-token work
+        only."""
+        if self.draft_model is None:
+            for seq in seqs:
+                self._lookup(seq)
+
     def plan(self, seqs: list[Sequence], blind: bool = False) -> DraftPlan:
         """The draft lengths of a step of ``seqs``. ``blind``: the step is planned before the tokens of
         the step in flight are known (whether to queue it blind): lookups are not redone then, the

@@ -6,19 +6,18 @@ A step of R rows replays the graph of R's bucket, so its device time is that buc
 wall time of a step adds what the device time does not cover: attention over real contexts, and the
 host's work. That differs by kind: a plain decode queued blind (``async_decode``) hides the host's work
 behind the device's, a verify step waits for its tokens before the next one can be drafted. Each kind
-keeps the median of (wall - replay) seconds over its latest ``WINDOW`` steps, 0 until its first step
-is seen (optimistic). A median, not a mean: one slow step (a collection pause, a first launch) must
-not price verifies out for good, since a kind that is judged too dear is not run, and so not
-measured again.
+keeps the lower quartile of (wall - replay) seconds over its latest ``WINDOW`` steps, 0 until its
+first step is seen (optimistic). A low quantile, not a mean or the median: host time is skewed by
+one-off delays, and a kind judged too dear from them is not run, so not measured again (the history is
+in profiles/notes_speculative.md).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable
 
-#: Steps of a kind whose host share's median is taken.
+#: Steps of a kind whose host share's lower quartile is taken.
 WINDOW = 15
 #: Steps of this kind: a plain decode queued blind, and a synchronous step (a verify, or a plain decode
 #: the engine waited for).
@@ -35,7 +34,7 @@ class StepCosts:
     def __init__(self, replay_seconds: Callable[[], dict[int, float]],
                  bucket_of: Callable[[int], int | None]) -> None:
         self._replay_seconds, self._bucket_of = replay_seconds, bucket_of
-        #: Each kind's host share now: the median of its latest steps' (wall - replay) seconds.
+        #: Each kind's host share now: the lower quartile of its latest steps' (wall - replay) seconds.
         self.extra_seconds = {PIPELINED: 0.0, SYNCHRONOUS: 0.0}
         self._latest = {kind: deque(maxlen=WINDOW) for kind in self.extra_seconds}
 
@@ -58,5 +57,6 @@ class StepCosts:
         """A decode-only step of ``rows`` rows and ``kind`` took ``seconds`` of wall time."""
         replay = self.replay(rows)
         if replay is not None:
-            self._latest[kind].append(max(0.0, seconds - replay))
-            self.extra_seconds[kind] = statistics.median(self._latest[kind])
+            latest = self._latest[kind]
+            latest.append(max(0.0, seconds - replay))
+            self.extra_seconds[kind] = sorted(latest)[len(latest) // 4]
