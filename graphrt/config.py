@@ -137,8 +137,8 @@ class EngineConfig:
     #: or ``{"method": "draft", "model": PATH_OR_PRESET, "num_tokens": k}`` (or the CLI's ``"ngram:k"`` /
     #: ``"draft:MODEL:k"``, or a ``SpeculativeConfig``): each decoding sequence drafts up to k tokens, by
     #: prompt lookup or with the draft model, and one decode step verifies them; the output is the output
-    #: without it. Steps with drafts run synchronously; with ``async_decode``, steps in which every
-    #: sequence pauses its drafting are pipelined. Resolved to a ``SpeculativeConfig``.
+    #: without it. Steps with drafts run synchronously; with ``async_decode``, steps in which no
+    #: sequence drafts are pipelined. Resolved to a ``SpeculativeConfig``.
     speculative: Any = None
 
     def __post_init__(self) -> None:

@@ -17,8 +17,10 @@ class SpeculativeConfig:
     """num_tokens: the most draft tokens a sequence gets a step (k; its verify runs k + 1 rows).
     ngram_min / ngram_max: the n-gram lengths prompt lookup matches, longest first. model (method
     "draft"): the draft model, as ``EngineConfig.model`` takes one (an HF directory, a .gguf file,
-    random:PRESET), with ``loader_options`` for its loader. adaptive: each request's draft length
-    follows its acceptance (``drafting.DraftLength``); False: always k."""
+    random:PRESET), with ``loader_options`` for its loader. adaptive: each step's draft lengths
+    weigh each request's acceptance against what the rows cost (prompt lookup: ``draft_policy``), or
+    follow its acceptance with pauses after misses (a draft model: ``drafting.DraftLength``); False:
+    prompt lookup drafts whatever it finds, up to k, a draft model always k."""
 
     method: str = "ngram"
     num_tokens: int = 4
