@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
                      "without it (token for token in float32; in 16-bit dtypes a near-tie may resolve "
                      "differently); steps with drafts run synchronously")
+    gen.add_argument("--enable-chunked-prefill", action="store_true",
+                     help="split prompts into chunks that fit each step's token budget (--max-num-batched-tokens, "
+                     "shared with the step's decodes), continued over the following steps")
+    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                     help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
+                     "prompt tokens of one prefill, at least --max-model-len)")
     gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                      help="read each decode step's tokens before queueing the next (default on CUDA: the next "
@@ -248,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="longest sequence (default: the load's longest)")
     serving.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
                          help="speculative decoding, as for generate")
+    serving.add_argument("--enable-chunked-prefill", action="store_true", help="chunked prefill, as for generate")
+    serving.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                         help="most tokens a step runs, as for generate")
     serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
     serving.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
 
@@ -295,7 +304,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
         check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales,
-        speculative=args.speculative, **kernel_options(args),
+        speculative=args.speculative, enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

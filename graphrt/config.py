@@ -66,9 +66,16 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Tokens per KV-cache block.
     block_size: int = 16
-    #: Most prompt tokens one prefill forward takes. Prompts are not split, and a preempted sequence is
-    #: recomputed in one piece, so the engine raises this to max_model_len when it is smaller.
+    #: Most tokens one step runs. Without chunked prefill: the prompt tokens of one prefill forward;
+    #: prompts are not split, and a preempted sequence is recomputed in one piece, so the engine raises
+    #: this to max_model_len when it is smaller. With it: the budget a step's decodes (one token each)
+    #: and prompt chunks share, default ``DEFAULT_CHUNKED_BATCHED_TOKENS``.
     max_num_batched_tokens: int | None = None
+    #: Split prompts (and the recomputation of a preempted sequence) into chunks that fit the step's
+    #: token budget, continued over the following steps from the paged cache, so that a long prompt
+    #: does not stall the running sequences for its whole prefill. Requests that ask for
+    #: ``prompt_logprobs`` are still prefilled whole. Off by default until measured on the GPU.
+    enable_chunked_prefill: bool = False
     #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
@@ -145,6 +152,12 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and (
+                isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
+                or self.max_num_batched_tokens < 1):
+            raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ConfigError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -170,6 +183,9 @@ class EngineConfig:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")
 
+
+#: ``max_num_batched_tokens`` with chunked prefill when none is given.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
 
 #: The environment variable ``EngineConfig.check_graphs`` falls back to.
 ENV_CHECK_GRAPHS = "GRAPHRT_CHECK_GRAPHS"

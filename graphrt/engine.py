@@ -19,7 +19,8 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeGraphRunner, PendingTokens, choose_bucket
-from graphrt.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
+                            resolve_kv_cache_dtype)
 from graphrt.host_memory import return_freed_host_memory
 from graphrt.kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
 from graphrt.loader import load_weights_into, open_checkpoint
@@ -30,7 +31,7 @@ from graphrt.models.llama import LlamaForCausalLM
 from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
-from graphrt.scheduler import Scheduler
+from graphrt.scheduler import Scheduler, SchedulerOutput
 from graphrt.sequence import Sequence
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
@@ -55,6 +56,11 @@ class _InFlightDecode:
     tokens: PendingTokens
 
 
+def _prefilled(prefills: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+    """The prefills whose chunk reached their prompt's end this step (they sampled a token)."""
+    return [seq for seq, token_id in zip(prefills, token_ids) if token_id is not None]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
@@ -66,7 +72,10 @@ class LLMEngine:
             self.model_config: ModelConfig = checkpoint.config
             self.tokenizer: Tokenizer | None = checkpoint.tokenizer
             self.max_model_len = self._resolve_max_model_len()
-            self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
+            if config.enable_chunked_prefill:  # the budget a step's decodes and prompt chunks share
+                self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS
+            else:  # whole prompts: one must fit
+                self.max_num_batched_tokens = max(config.max_num_batched_tokens or 0, self.max_model_len)
             try:
                 self.attention_backend = get_attention_backend(config.attention_backend, self.device)
             except ValueError as error:  # unknown, or unusable on this device
@@ -108,7 +117,8 @@ class LLMEngine:
             self.decode_runner.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
                                   kv_scales_pending=self.calibrate_kv_scales, progress=progress)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   chunked_prefill=config.enable_chunked_prefill)
         self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
         self.drafter = None
@@ -294,27 +304,28 @@ class LLMEngine:
             self._in_flight = self._launch_pipelined(scheduled.decodes)
             return []
         if plan is not None:
-            return self._step_speculative(scheduled.prefills, scheduled.decodes, plan)
+            return self._step_speculative(scheduled, plan)
         seqs = scheduled.prefills + scheduled.decodes
         try:
-            token_ids, logprobs = self.runner.execute(scheduled.prefills, scheduled.decodes)
+            token_ids, logprobs = self.runner.execute(scheduled.prefills, scheduled.decodes, scheduled.prefill_tokens)
         except BaseException:
             # Decodes left as they were run this token again next step; prompts are prefilled again.
             self.scheduler.requeue_prefills(scheduled.prefills)
             raise
         outputs = self._record_tokens(seqs, token_ids, logprobs)
         if self.drafter is not None:
-            self.drafter.begin([seq for seq in scheduled.prefills if not seq.is_finished])
+            self.drafter.begin([seq for seq in _prefilled(scheduled.prefills, token_ids) if not seq.is_finished])
         return outputs
 
-    def _step_speculative(self, prefills: list[Sequence], decodes: list[Sequence],
-                          plan: DraftPlan) -> list[RequestOutput]:
+    def _step_speculative(self, scheduled: SchedulerOutput, plan: DraftPlan) -> list[RequestOutput]:
         """The step's prefills, then one verify of the decodes with their drafts (``plan``'s lengths);
         each decode appends the tokens verification kept (one at least), up to a stop condition."""
+        prefills, decodes = scheduled.prefills, scheduled.decodes
         try:
             with nvtx.range("propose"):
                 drafts = self.drafter.propose(decodes, plan)
-            token_ids, logprobs = self.runner.execute(prefills, []) if prefills else ([], [])
+            token_ids, logprobs = (self.runner.execute(prefills, [], scheduled.prefill_tokens) if prefills
+                                   else ([], []))
             sampled, scored = self.runner.verify(decodes, drafts)
         except BaseException:
             # Decodes stay as they were (their drafts' blocks stay theirs); prompts are prefilled again.
@@ -322,9 +333,11 @@ class LLMEngine:
             raise
         if not prefills:
             self._completed_step = (len(decodes) + sum(map(len, drafts)), SYNCHRONOUS)
+        prefilled = _prefilled(prefills, token_ids)
         for seq, token_id, token_logprobs in zip(prefills, token_ids, logprobs):
-            seq.append_token(token_id, self.max_model_len, token_logprobs)
-        self.drafter.begin([seq for seq in prefills if not seq.is_finished])
+            if token_id is not None:
+                seq.append_token(token_id, self.max_model_len, token_logprobs)
+        self.drafter.begin([seq for seq in prefilled if not seq.is_finished])
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
             kept = self.drafter.kept_tokens(draft, row_tokens)
             appended = 0
@@ -336,7 +349,7 @@ class LLMEngine:
             self.drafter.record(seq, len(draft), len(kept) - 1, appended)
             # The K/V of every appended token but the newest is in the cache (the newest is the next input).
             seq.num_computed_tokens = seq.num_tokens - 1
-        return self._finish_step(prefills + decodes)
+        return self._finish_step(prefilled + decodes)
 
     def _pipelines(self, seqs: list[Sequence]) -> bool:
         """Whether a decode of ``seqs`` may be queued blind (``async_decode``): always without speculation;
@@ -402,7 +415,8 @@ class LLMEngine:
         rows = [row for row, seq in enumerate(seqs)
                 if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
         following = [seqs[row] for row in rows]
-        if not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following)):
+        if (not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following))
+                or self.scheduler.has_prefill_under_way()):
             return [], []
         if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
             return [], []
@@ -417,10 +431,11 @@ class LLMEngine:
     def _record_tokens(self, seqs: list[Sequence], token_ids: list[int],
                        logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
         """Append each sequence's new token (and its logprobs), release the finished ones; returns their
-        outputs."""
+        outputs. A prompt chunk short of its prompt's end (token None) appends nothing and has no output."""
         for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
-            seq.append_token(token_id, self.max_model_len, token_logprobs)
-        return self._finish_step(seqs)
+            if token_id is not None:
+                seq.append_token(token_id, self.max_model_len, token_logprobs)
+        return self._finish_step([seq for seq, token_id in zip(seqs, token_ids) if token_id is not None])
 
     def _finish_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """The step's outputs; the finished sequences' blocks (and drafting state) released."""
@@ -517,6 +532,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request may grow to {longest} tokens ({needed} KV blocks) but the cache has only "
                 f"{self.block_manager.num_usable_blocks} blocks; lower max_tokens or enlarge the cache"
+            )
+        if params.prompt_logprobs is not None and len(token_ids) > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt_logprobs scores the whole prompt in one step, but the prompt has {len(token_ids)} tokens "
+                f"and a step runs at most max_num_batched_tokens = {self.max_num_batched_tokens}; raise it"
             )
         too_big = [t for t in params.stop_token_ids if t >= vocab]
         if too_big:

@@ -62,12 +62,14 @@ class ModelRunner:
         self.kv_scales_pending = kv_scales_pending
         self._progress = progress
 
-    def execute(self, prefills: list[Sequence], decodes: list[Sequence]
-                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def execute(self, prefills: list[Sequence], decodes: list[Sequence], prefill_tokens: list[int] | None = None
+                ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """Run one step; returns the sampled token id of each sequence, prefills first then decodes, and
-        each one's logprobs (None where the request did not ask). Scores the prompts of prefills that
-        asked for prompt logprobs (``Sequence.prompt_logprobs``)."""
-        tokens, logprobs = self._prefill(prefills) if prefills else ([], [])
+        each one's logprobs (None where the request did not ask). ``prefill_tokens[i]``: how many of
+        ``prefills[i]``'s uncomputed tokens to run (default all); a prefill whose chunk stops short of
+        its last token samples nothing (token None). Scores the prompts of prefills that asked for
+        prompt logprobs (``Sequence.prompt_logprobs``)."""
+        tokens, logprobs = self._prefill(prefills, prefill_tokens) if prefills else ([], [])
         if decodes:
             with nvtx.decode(len(decodes)):
                 pending = self.decode_runner.launch(self._decode_batch(decodes))
@@ -140,23 +142,30 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _prefill(self, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One eager forward over every sequence's uncomputed tokens, then one sampled token each (and
-        its logprobs where asked); prompts that ask are scored too."""
+    def _prefill(self, seqs: list[Sequence], lengths: list[int] | None = None
+                 ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """One eager forward over every sequence's uncomputed tokens (``lengths[i]`` of them: a chunk,
+        attending over the cached tokens before it), then one sampled token (and its logprobs where
+        asked) for each sequence whose chunk reached its last token, None for the others; prompts that
+        ask are scored too (their prefill is whole)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_tokens
+        ends: list[int] = []
+        for index, seq in enumerate(seqs):
+            start = seq.num_computed_tokens
+            end = seq.num_tokens if lengths is None else min(seq.num_tokens, start + lengths[index])
             input_ids.extend(seq.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self.block_manager.slots(seq.seq_id, start, end))
             query_lens.append(end - start)
+            ends.append(end)
+        done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.num_tokens]
         with nvtx.prefill(len(seqs), len(input_ids)):
             metadata = self.backend.make_metadata(
                 query_lens=query_lens,
-                seq_lens=[seq.num_tokens for seq in seqs],
+                seq_lens=ends,
                 num_prefills=len(seqs),
                 block_tables=[self.block_manager.block_table(seq.seq_id) for seq in seqs],
                 slot_mapping=slots,
@@ -168,21 +177,28 @@ class ModelRunner:
             if self.kv_scales_pending:
                 self._calibrate_kv_scales(ids, position_ids, metadata)
             hidden = self.model(ids, position_ids, self.kv_caches, metadata)
-            last_token_rows = metadata.query_start_loc[1:].long() - 1  # [B]: each sequence's last new token
-            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
             scored_prompts = self._score_prompts(seqs, hidden, query_lens)
-        with nvtx.range("sample"):
-            sampling = SamplingTensors.from_params(
-                [seq.params for seq in seqs],
-                seeds=[seq.seed for seq in seqs],
-                steps=[len(seq.output_token_ids) for seq in seqs],
-                device=self.device,
-            )
-            sampled = self._sample(logits, sampling)
-            logprobs = rows_logprobs(logits, sampled, [seq.params.logprobs for seq in seqs])
-            token_ids = sampled.tolist()  # the step's device-to-host copy (with logprobs, they came first)
-        for seq, scored in zip(seqs, scored_prompts):
-            seq.num_computed_tokens = seq.num_tokens
+        token_ids: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if done:
+            sampled_seqs = [seqs[row] for row in done]
+            last_token_rows = metadata.query_start_loc[1:].long() - 1  # each sequence's last new token
+            if len(done) < len(seqs):
+                last_token_rows = last_token_rows[torch.tensor(done, device=last_token_rows.device)]
+            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
+            with nvtx.range("sample"):
+                sampling = SamplingTensors.from_params(
+                    [seq.params for seq in sampled_seqs],
+                    seeds=[seq.seed for seq in sampled_seqs],
+                    steps=[len(seq.output_token_ids) for seq in sampled_seqs],
+                    device=self.device,
+                )
+                sampled = self._sample(logits, sampling)
+                sampled_logprobs = rows_logprobs(logits, sampled, [seq.params.logprobs for seq in sampled_seqs])
+                for row, token_id, token_logprobs in zip(done, sampled.tolist(), sampled_logprobs):
+                    token_ids[row], logprobs[row] = token_id, token_logprobs  # the tokens' copy came first
+        for seq, end, scored in zip(seqs, ends, scored_prompts):
+            seq.num_computed_tokens = end
             if scored is not None:
                 seq.prompt_logprobs = scored
         return token_ids, logprobs

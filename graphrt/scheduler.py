@@ -1,6 +1,15 @@
 """Continuous batching: each step runs every running sequence's next decode plus as many waiting
 prefills as blocks, ``max_num_seqs`` and the token budget allow. When blocks run out the newest
 running sequence is preempted: its blocks are freed and it is recomputed later (no request is lost).
+
+With chunked prefill the token budget (``max_num_batched_tokens``) is shared: a step runs every
+decode (a token each), then the next chunk of each running sequence still prefilling (oldest first),
+then admits waiting prompts with their first chunk, each chunk as long as the budget left allows. A
+prompt's blocks are allocated whole when it is admitted; a chunk computes the K/V of its tokens over
+the cached ones before them, and the chunk that reaches the prompt's end samples its first token.
+A sequence whose prompt has one token left decodes it (the decode of position ``num_tokens - 1``
+samples the same output index as the prefill would). Requests asking for ``prompt_logprobs`` are
+prefilled whole (the scoring reads the whole prompt's hidden states).
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from graphrt.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs: ``prefills`` (whole remaining tokens) first, then ``decodes`` (one token)."""
+    """What one step runs: ``prefills`` first (``prefill_tokens[i]`` of each one's uncomputed tokens:
+    all of them without chunked prefill), then ``decodes`` (one token each)."""
 
     prefills: list[Sequence] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -25,11 +36,18 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+def is_prefilling(seq: Sequence) -> bool:
+    """Whether a running sequence still has prompt (or recomputed) tokens to prefill beyond the newest."""
+    return seq.num_computed_tokens < seq.num_tokens - 1
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = False) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         #: In arrival order, so the last one is the newest (the one preemption takes).
         self.running: list[Sequence] = []
@@ -43,15 +61,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._schedule_decodes(out)
+        budget = self.max_num_batched_tokens - len(out.decodes)
+        for seq in self.running:  # prefills under way hold their blocks already
+            if budget > 0 and is_prefilling(seq):
+                out.prefills.append(seq)
+                out.prefill_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+                budget -= out.prefill_tokens[-1]
         # After a preemption the cache is full: admitting prompts now would only evict them again.
         if not out.preempted:
-            self._schedule_prefills(out, token_budget=self.max_num_batched_tokens - len(out.decodes))
+            self._schedule_prefills(out, token_budget=budget)
         return out
+
+    def has_prefill_under_way(self) -> bool:
+        """Whether a running sequence has prompt chunks left (chunked prefill)."""
+        return any(is_prefilling(seq) for seq in self.running)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         index = 0
         while index < len(self.running):
             seq = self.running[index]
+            if is_prefilling(seq):  # its chunks come after the decodes
+                index += 1
+                continue
             # The token decoded this step sits at position num_tokens - 1: the table must cover it.
             while not self.block_manager.can_grow(seq.seq_id, seq.num_tokens):
                 victim = self.running[-1]
@@ -70,16 +101,18 @@ class Scheduler:
             return False
         seq = self.waiting[0]
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
-        return seq.num_tokens <= budget and self.block_manager.can_allocate(seq.num_tokens)
+        needed = 1 if self.chunked_prefill and not seq.needs_prompt_logprobs else seq.num_tokens
+        return needed <= budget and self.block_manager.can_allocate(seq.num_tokens)
 
     def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.can_admit(token_budget):
             seq = self.waiting.popleft()
             self.block_manager.allocate(seq.seq_id, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
-            token_budget -= seq.num_tokens
             self._insert_running(seq)
             out.prefills.append(seq)
+            out.prefill_tokens.append(min(seq.num_tokens, token_budget))
+            token_budget -= out.prefill_tokens[-1]
 
     def _insert_running(self, seq: Sequence) -> None:
         """Keep ``running`` in arrival order (a recomputed sequence is older than newer arrivals)."""

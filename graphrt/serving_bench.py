@@ -230,6 +230,8 @@ def main(args) -> int:
                    progress=False, **kernel_options(args))
     if args.speculative is not None:
         options["speculative"] = args.speculative
+    options.update(enable_chunked_prefill=args.enable_chunked_prefill,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
     with LLM(args.model, **options) as llm:
         engine = llm.engine
         warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1),
@@ -243,7 +245,9 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": str(device), "load": asdict(spec),
-                       "max_num_seqs": args.max_num_seqs, "speculative": args.speculative, **summary}, f, indent=2)
+                       "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
+                       "enable_chunked_prefill": args.enable_chunked_prefill,
+                       "max_num_batched_tokens": engine.max_num_batched_tokens, **summary}, f, indent=2)
     if args.plot:
         write_plot(timings, args.plot, f"{args.model}: {spec.rate:g} req/s, {spec.num_requests} requests")
     return 0
