@@ -9,11 +9,22 @@ is what the attention kernels use to write a token's key/value. A sequence's
 
 Nothing here touches tensors: this module only decides ids, and returns
 ``(src, dst)`` pairs when the caller must copy a block's cache contents.
+
+Prefix caching (``BlockManager(prefix_caching=True)``): a full block whose K/V
+a sequence has computed is named by a key, (its parent block's id and
+generation, its tokens), so that equal keys mean equal prefixes; a sequence
+allocated later with the same leading tokens shares those blocks instead of
+computing them. A cached block that nobody holds keeps its contents until a
+fresh block is needed and no uncached one is free: then the least recently
+freed cached block is handed out and its key dropped (its generation bumped,
+so keys of blocks that followed it never match again).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -62,6 +73,12 @@ class BlockAllocator:
         # Stack of free ids; the top (end) is handed out next. Built reversed
         # so a fresh allocator yields 1, 2, 3, ...
         self._free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))
+        # Free blocks that keep cached contents, least recently freed first: handed out only when the
+        # stack is empty. A block is in at most one of the two.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._key_of: dict[int, Hashable] = {}
+        self._block_of: dict[Hashable, int] = {}
+        self._generations = [0] * num_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -75,8 +92,13 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks with reference count 0, available to :meth:`allocate`."""
-        return len(self._free)
+        """Blocks with reference count 0, available to :meth:`allocate` (cached ones included)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose contents are named by a key (held or free)."""
+        return len(self._key_of)
 
     def _check_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self._num_blocks:
@@ -94,11 +116,15 @@ class BlockAllocator:
 
         Raises :class:`NoFreeBlocksError` when none is free.
         """
-        if not self._free:
+        if self._free:
+            block_id = self._free.pop()
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._drop_key(block_id)
+        else:
             raise NoFreeBlocksError(
                 f"no free KV-cache block (all {self.num_usable_blocks} usable blocks in use)"
             )
-        block_id = self._free.pop()
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -130,7 +156,45 @@ class BlockAllocator:
             raise ValueError(f"double free of block {block_id}: it is already free")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            self._free.append(block_id)
+            if block_id in self._key_of:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    # ---- cached contents --------------------------------------------------
+
+    def cache(self, block_id: int, key: Hashable) -> bool:
+        """Name a held block's contents by ``key``; False (nothing changed) when another block holds
+        that key or this one already has a key."""
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"cannot cache block {block_id}: it is free")
+        if key in self._block_of or block_id in self._key_of:
+            return self._block_of.get(key) == block_id
+        self._key_of[block_id], self._block_of[key] = key, block_id
+        return True
+
+    def cached_block(self, key: Hashable) -> int | None:
+        """The block whose contents ``key`` names, held or free, or None."""
+        return self._block_of.get(key)
+
+    def hold_cached(self, block_id: int) -> int:
+        """One more holder of a cached block (taken back from the free ones when nobody held it)."""
+        if block_id not in self._key_of:
+            raise ValueError(f"block {block_id} holds no cached contents")
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+        return block_id
+
+    def generation(self, block_id: int) -> int:
+        """How many times ``block_id``'s cached contents were dropped: part of the keys of the blocks
+        that follow it in a prefix."""
+        return self._generations[block_id]
+
+    def _drop_key(self, block_id: int) -> None:
+        del self._block_of[self._key_of.pop(block_id)]
+        self._generations[block_id] += 1
 
 
 class BlockManager:
@@ -151,12 +215,21 @@ class BlockManager:
     state unchanged.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[int, list[int]] = {}
+        #: Whether full computed blocks are shared by later sequences with the same leading tokens.
+        self.prefix_caching = prefix_caching
+        # Per sequence: how many of its leading blocks are cached under its own prefix's keys; a sequence
+        # whose block could not take its key (another block had it) stops there.
+        self._cached_blocks: dict[int, int] = {}
+        self._chain_ended: set[int] = set()
+        #: Prompt tokens looked up in the prefix cache and found there, since the start.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
         # A version per table, drawn from one counter, so that a version names one table's contents:
         # it changes whenever the table does and is never reused (see ``table_version``).
         self._versions: dict[int, int] = {}
@@ -242,6 +315,58 @@ class BlockManager:
             table.extend(added)
             self._new_version(seq_id)
 
+    def allocate_with_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """``allocate(seq_id, len(token_ids))``, the leading full blocks taken from the prefix cache where
+        their tokens were computed before; returns how many positions they cover (their K/V is in the
+        cache). The last token is never taken from the cache (its forward gives the next token).
+        Without ``prefix_caching``, plainly ``allocate`` (returns 0). All-or-nothing."""
+        if not self.prefix_caching:
+            self.allocate(seq_id, len(token_ids))
+            return 0
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        hits: list[int] = []
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = token_ids[index * self.block_size:(index + 1) * self.block_size]
+            block = self.allocator.cached_block(self._key(hits[-1] if hits else None, tokens))
+            if block is None:
+                break
+            hits.append(block)
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        if fresh + sum(self.allocator.ref_count(b) == 0 for b in hits) > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {fresh} fresh KV-cache blocks besides {len(hits)} cached ones, only "
+                                    f"{self.num_free_blocks} free")
+        table = [self.allocator.hold_cached(b) for b in hits]  # before any fresh block can evict them
+        self._tables[seq_id] = table + self._take(fresh)
+        self._new_version(seq_id)
+        self._cached_blocks[seq_id] = len(hits)
+        self.prefix_queried_tokens += len(token_ids)
+        self.prefix_hit_tokens += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def cache_computed(self, seq_id: int, num_computed: int, tokens: Callable[[int, int], list[int]]) -> None:
+        """With ``prefix_caching``: name the full blocks among ``seq_id``'s first ``num_computed``
+        positions (their K/V written) by their prefix, for later sequences to share. ``tokens(start,
+        end)``: the sequence's token ids at those positions."""
+        if not self.prefix_caching or seq_id in self._chain_ended:
+            return
+        table = self._table(seq_id)
+        done = self._cached_blocks.setdefault(seq_id, 0)
+        while done < num_computed // self.block_size:
+            start = done * self.block_size
+            key = self._key(table[done - 1] if done else None, tokens(start, start + self.block_size))
+            if not self.allocator.cache(table[done], key):
+                self._chain_ended.add(seq_id)
+                break
+            done += 1
+        self._cached_blocks[seq_id] = done
+
+    def _key(self, parent: int | None, tokens: list[int]) -> tuple:
+        """The key of a full block: the block before it in the prefix (id and generation; None for the
+        first) and its tokens. Equal keys mean equal prefixes: a parent's generation changes whenever
+        its cached contents are dropped, so a key never outlives the prefix it named."""
+        return (None if parent is None else (parent, self.allocator.generation(parent))), tuple(tokens)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` a table sharing all of ``parent_id``'s blocks.
 
@@ -280,6 +405,8 @@ class BlockManager:
         table = self._table(seq_id)
         del self._tables[seq_id]
         del self._versions[seq_id]
+        self._cached_blocks.pop(seq_id, None)
+        self._chain_ended.discard(seq_id)
         # Release back to front: with the LIFO allocator, the sequence's first
         # block ends on top of the free stack, so a re-allocation of the same
         # size gets the same table back.

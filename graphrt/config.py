@@ -76,6 +76,12 @@ class EngineConfig:
     #: does not stall the running sequences for its whole prefill. Requests that ask for
     #: ``prompt_logprobs`` are still prefilled whole. Off by default until measured on the GPU.
     enable_chunked_prefill: bool = False
+    #: Share the KV blocks of prompts' common leading tokens (system prompts, chat history): a full block
+    #: a sequence computed is kept, named by its prefix, and a later prompt that starts with the same
+    #: tokens takes it instead of computing it; unheld cached blocks are reused least recently freed
+    #: first. Requests that ask for ``prompt_logprobs`` compute their whole prompt. Off by default until
+    #: measured on the GPU.
+    enable_prefix_caching: bool = False
     #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
@@ -156,8 +162,9 @@ class EngineConfig:
                 isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
                 or self.max_num_batched_tokens < 1):
             raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ConfigError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

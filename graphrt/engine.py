@@ -97,7 +97,7 @@ class LLMEngine:
                 self.draft_model_weights = self._build_draft_model(speculative, progress)
 
         num_blocks = self._choose_num_blocks()
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
         kv_caches = allocate_kv_caches(
             self.model_config, self.attention_backend, num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
@@ -313,6 +313,7 @@ class LLMEngine:
             self.scheduler.requeue_prefills(scheduled.prefills)
             raise
         outputs = self._record_tokens(seqs, token_ids, logprobs)
+        self._cache_computed([seq for seq, token_id in zip(scheduled.prefills, token_ids) if token_id is None])
         if self.drafter is not None:
             self.drafter.begin([seq for seq in _prefilled(scheduled.prefills, token_ids) if not seq.is_finished])
         return outputs
@@ -338,6 +339,7 @@ class LLMEngine:
             if token_id is not None:
                 seq.append_token(token_id, self.max_model_len, token_logprobs)
         self.drafter.begin([seq for seq in prefilled if not seq.is_finished])
+        self._cache_computed([seq for seq, token_id in zip(prefills, token_ids) if token_id is None])
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
             kept = self.drafter.kept_tokens(draft, row_tokens)
             appended = 0
@@ -358,7 +360,7 @@ class LLMEngine:
         return self.drafter is None or not self.drafter.plan(seqs, blind=True).drafts_any
 
     def _launch_pipelined(self, seqs: list[Sequence], ahead_from: list[int] | None = None) -> _InFlightDecode:
-        """Queue a plain decode of ``seqs`` (their drafting pauses count the step)."""
+        """Queue a plain decode of ``seqs`` (a draft model's pauses count the step)."""
         if self.drafter is not None:
             self.drafter.pass_step(seqs)
         return _InFlightDecode(seqs, self.runner.launch_decode(seqs, ahead_from=ahead_from))
@@ -380,6 +382,8 @@ class LLMEngine:
             self._in_flight = None
             if following:
                 self._in_flight = self._launch_pipelined(following, ahead_from=rows)
+                # A step's period: this call waits for it and queues the next (a last one only waits).
+                self._completed_step = (len(in_flight.seqs), PIPELINED)
             token_ids = in_flight.tokens.result()
             logprobs = in_flight.tokens.logprobs()
         except BaseException:
@@ -392,7 +396,6 @@ class LLMEngine:
         live = [row for row, seq in enumerate(in_flight.seqs) if not seq.is_finished]
         for row in live:
             in_flight.seqs[row].num_computed_tokens = in_flight.seqs[row].num_tokens
-        self._completed_step = (len(in_flight.seqs), PIPELINED)
         if self.drafter is not None:
             self.drafter.record_plain_step([in_flight.seqs[row] for row in live])
         outputs = self._record_tokens([in_flight.seqs[row] for row in live], [token_ids[row] for row in live],
@@ -438,15 +441,34 @@ class LLMEngine:
         return self._finish_step([seq for seq, token_id in zip(seqs, token_ids) if token_id is not None])
 
     def _finish_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """The step's outputs; the finished sequences' blocks (and drafting state) released."""
-        outputs = [self._output_of(seq) for seq in seqs]
-        for seq in self.scheduler.finish_step(seqs):
-            if self.drafter is not None:
-                self.drafter.forget(seq)
-            self._text_streams.pop(seq.seq_id, None)
-            self._prompt_copies.pop(seq.seq_id, None)
-            del self._requests[seq.request_id]
+        """The step's outputs; the finished sequences' blocks (and drafting state) released, their
+        computed full blocks named for the prefix cache first."""
+        self._cache_computed(seqs)
+        try:
+            outputs = [self._output_of(seq) for seq in seqs]
+        finally:  # finished sequences are released even if an output could not be built
+            for seq in self.scheduler.finish_step(seqs):
+                if self.drafter is not None:
+                    self.drafter.forget(seq)
+                self._text_streams.pop(seq.seq_id, None)
+                self._prompt_copies.pop(seq.seq_id, None)
+                del self._requests[seq.request_id]
         return outputs
+
+    def _cache_computed(self, seqs: list[Sequence]) -> None:
+        """With prefix caching: the full blocks whose K/V the step computed, named for later prompts."""
+        if self.block_manager.prefix_caching:
+            for seq in seqs:
+                self.block_manager.cache_computed(seq.seq_id, seq.num_computed_tokens, seq.token_ids_between)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache over prompt tokens looked up since the start (None
+        without prefix caching, 0.0 before any prompt)."""
+        manager = self.block_manager
+        if not manager.prefix_caching:
+            return None
+        return manager.prefix_hit_tokens / manager.prefix_queried_tokens if manager.prefix_queried_tokens else 0.0
 
     def close(self) -> None:
         """Release what the engine holds on its device: the decode graphs and their memory pool, the

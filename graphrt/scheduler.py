@@ -107,11 +107,14 @@ class Scheduler:
     def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.can_admit(token_budget):
             seq = self.waiting.popleft()
-            self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+            if seq.needs_prompt_logprobs:  # scored from the whole prompt's forward
+                self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+            else:  # with prefix caching the K/V of its leading full blocks may be there already
+                seq.num_computed_tokens = self.block_manager.allocate_with_prefix(seq.seq_id, seq.all_token_ids)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             out.prefills.append(seq)
-            out.prefill_tokens.append(min(seq.num_tokens, token_budget))
+            out.prefill_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, token_budget))
             token_budget -= out.prefill_tokens[-1]
 
     def _insert_running(self, seq: Sequence) -> None:

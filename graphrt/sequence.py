@@ -58,6 +58,16 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """The token ids at positions ``start`` to ``end`` (exclusive), prompt then output, without
+        copying the rest."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):end - len(prompt)]
+        return prompt[start:] + self.output_token_ids[:end - len(prompt)]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

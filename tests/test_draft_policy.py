@@ -155,3 +155,21 @@ def test_prompts_are_indexed_in_their_prefill_step():
         [seq] = engine.scheduler.running
         index = engine.drafter._indexes[seq.seq_id]
         assert len(index.tokens) == seq.num_tokens and seq.seq_id in engine.drafter._lookups
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_more_sequences_than_verify_rows_draft_nothing_past_the_rows(adaptive):
+    """Four sequences, verify steps of at most two rows (capture_sizes): drafts fit the rows left, never
+    a negative length (a slice from the end would draft anyway), adaptive or not."""
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12] * 5, [20, 21] * 6, [30, 31, 32, 33] * 4]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with _llm(capture_sizes=[1, 2]) as llm:
+        plain = [out.token_ids for out in llm.generate(prompts, params)]
+    speculative = {"method": "ngram", "num_tokens": 4, "adaptive": adaptive}
+    with _llm(capture_sizes=[1, 2], speculative=speculative) as llm:
+        drafter, plans = llm.engine.drafter, []
+        propose = drafter.propose
+        drafter.propose = lambda seqs, plan: plans.append((len(seqs), plan.lengths)) or propose(seqs, plan)
+        outs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outs] == plain
+    assert plans and all(min(lengths) >= 0 and n + sum(lengths) <= max(n, 2) for n, lengths in plans)

@@ -399,3 +399,25 @@ def test_text_stream_decodes_as_the_whole_list(pair):
             assert texts[-1] == ours.decode(ids), text
     rocket = ours.encode("🚀")  # four bytes, more than one byte-level token
     assert len(rocket) > 1 and "\ufffd" not in ours.text_stream().text_of(rocket[:-1])
+
+
+def test_text_stream_survives_byte_fallback_ids_that_are_not_utf8():
+    """SentencePiece-style byte fallback: ids whose bytes do not form UTF-8 (a stray continuation byte
+    after a whole character) make the streaming decoder raise; the stream then gives the whole list's
+    decoding instead of failing the step."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
+
+    from graphrt.loader.tokenizer import TextStream
+
+    space = "\u2581"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in (space + "hello", space + "world"):
+        vocab[word] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    ids = [vocab[space + "hello"], *(3 + b for b in "é".encode()), 3 + 0xA9, vocab[space + "world"]]
+    stream = TextStream(backend)
+    texts = [stream.text_of(ids[:end]) for end in range(1, len(ids) + 1)]
+    assert texts[0] == "hello" and texts[-1] == backend.decode(ids)

@@ -205,20 +205,29 @@ class TextStream:
     ``DecodeStream``, which holds back a character whose UTF-8 bytes span ids not all there yet), so a
     step costs its new tokens, not the whole text. Where a tokenizer's decoding of a whole list differs
     from the concatenation of its parts (clean-up of spaces around punctuation, a leading space), the
-    whole list's decoding is the reference: ``Tokenizer.decode``."""
+    whole list's decoding is the reference: ``Tokenizer.decode``. Where the stream cannot go on (byte
+    fallback ids that do not form UTF-8 make ``DecodeStream`` raise), the text is the whole list's
+    decoding from then on, so it may then change in its last characters as ids arrive."""
 
     def __init__(self, backend: BackendTokenizer, skip_special_tokens: bool = True) -> None:
-        self._backend = backend
-        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._backend, self._skip_special_tokens = backend, skip_special_tokens
+        self._stream: decoders.DecodeStream | None = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self._decoded = 0
         self.text = ""
 
     def text_of(self, ids: list[int]) -> str:
         """The text of ``ids``: the ids given before, then new ones (the earlier ones are not re-read)."""
-        for token_id in ids[self._decoded:]:
-            chunk = self._stream.step(self._backend, token_id)
-            if chunk:
-                self.text += chunk
+        if self._stream is not None:
+            try:
+                for token_id in ids[self._decoded:]:
+                    chunk = self._stream.step(self._backend, token_id)
+                    if chunk:
+                        self.text += chunk
+                    self._decoded += 1
+                return self.text
+            except Exception:  # the tokenizers library raises a bare Exception for an undecodable prefix
+                self._stream = None
+        self.text = self._backend.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
         self._decoded = len(ids)
         return self.text
 

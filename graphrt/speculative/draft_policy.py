@@ -41,9 +41,9 @@ class Acceptance:
         first ``kept`` matched."""
         if proposed == 0:
             return
-        missed = int(kept < proposed)
+        missed = int(kept < proposed)  # the newest outcome, after the kept tokens'
         older = DECAY ** (kept + missed)
-        self.kept = older * self.kept + sum(DECAY ** i for i in range(kept))
+        self.kept = older * self.kept + DECAY ** missed * sum(DECAY ** i for i in range(kept))
         self.missed = older * self.missed + missed
 
 
@@ -60,15 +60,15 @@ def plan_lengths(rates: list[float], caps: list[int], costs: StepCosts | None, p
     if candidates and costs is not None and costs.known:
         chosen = 0
         plain = costs.step(n, plain_kind)
-        best = 0.0 if plain is None else (1 + MARGIN) * n / plain
+        best = 0.0 if plain is None else (1 + MARGIN) * n / max(plain, 1e-9)
         expected = float(n)
         for m, (gain, _) in enumerate(candidates, 1):
             expected += gain
             verify = costs.step(n + m, SYNCHRONOUS)
             if verify is None:
                 break
-            if expected / verify > best:
-                best, chosen = expected / verify, m
+            if expected / max(verify, 1e-9) > best:
+                best, chosen = expected / max(verify, 1e-9), m
     lengths = [0] * n
     for _, index in candidates[:chosen]:
         lengths[index] += 1

@@ -180,7 +180,7 @@ class Drafter:
         else:
             lengths, spare_rows = [], self.max_rows - len(seqs)
             for cap in caps:
-                lengths.append(min(cap, spare_rows))
+                lengths.append(max(0, min(cap, spare_rows)))
                 spare_rows -= lengths[-1]
         return DraftPlan(lengths, lookups)
 
