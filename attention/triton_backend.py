@@ -3,8 +3,8 @@ prefill of uncached prompts. Same cache layout as the reference backend (see ``r
 
 Per step: new K/V are written to their slots (slot -1 skipped); prompts with nothing cached go to
 xFormers (its flash kernels in 16-bit dtypes) when it is usable, otherwise to the prefix-prefill kernel, which also
-serves prompts whose prefix is already cached (metadata with context_lens > 0, e.g. an embedding
-engine's prefix reuse; graphrt's own engine recomputes preempted sequences from scratch); decodes go to the
+serves prompts whose prefix is already cached (metadata with context_lens > 0: a chunk of a prompt after
+its earlier chunks, a prompt after its cached prefix blocks, an embedding engine's own reuse); decodes go to the
 split-K paged decode kernel, whose launch shape depends only on the batch and ``max_decode_seq_len``.
 """
 
