@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--enable-prefix-caching", action="store_true",
                      help="share the KV blocks of prompts' common leading tokens: a later prompt that starts with "
                      "tokens computed before takes their blocks instead of computing them")
+    gen.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
+                     help="host memory for swap preemption: a preempted decoding sequence whose KV blocks fit is "
+                     "swapped out and back in instead of recomputed (default 0: recompute)")
     gen.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                      help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
                      "prompt tokens of one prefill, at least --max-model-len)")
@@ -259,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="speculative decoding, as for generate")
     serving.add_argument("--enable-chunked-prefill", action="store_true", help="chunked prefill, as for generate")
     serving.add_argument("--enable-prefix-caching", action="store_true", help="prefix caching, as for generate")
+    serving.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
+                         help="swap preemption, as for generate")
     serving.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                          help="most tokens a step runs, as for generate")
     serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
@@ -309,7 +314,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
         check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales,
         speculative=args.speculative, enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_mib << 20,
         max_num_batched_tokens=args.max_num_batched_tokens, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []

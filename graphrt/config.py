@@ -82,6 +82,9 @@ class EngineConfig:
     #: first. Requests that ask for ``prompt_logprobs`` compute their whole prompt. Off by default until
     #: measured on the GPU.
     enable_prefix_caching: bool = False
+    #: Bytes of host memory (pinned on CUDA) for swap preemption: a preempted decoding sequence whose
+    #: KV blocks fit is swapped out and back in rather than recomputed. 0 (the default): recompute.
+    swap_space_bytes: int = 0
     #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
@@ -162,6 +165,8 @@ class EngineConfig:
                 isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
                 or self.max_num_batched_tokens < 1):
             raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not is_count(self.swap_space_bytes):
+            raise ConfigError(f"swap_space_bytes must be an integer >= 0 (0 = recompute), got {self.swap_space_bytes!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

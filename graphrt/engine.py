@@ -36,6 +36,7 @@ from graphrt.sequence import Sequence
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
 from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
+from graphrt.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,10 @@ class LLMEngine:
             self.decode_runner.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
                                   kv_scales_pending=self.calibrate_kv_scales, progress=progress)
+        #: Host blocks for swap preemption (None: preempted sequences are recomputed).
+        self.swap_space = self._swap_space(kv_caches) if config.swap_space_bytes else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   chunked_prefill=config.enable_chunked_prefill)
+                                   chunked_prefill=config.enable_chunked_prefill, swap=self.swap_space)
         self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
         #: Drafts and what verification kept (None without ``EngineConfig.speculative``).
         self.drafter = None
@@ -152,6 +155,15 @@ class LLMEngine:
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
             ", KV scales to calibrate over the first prefill" if self.calibrate_kv_scales else "",
         )
+
+    def _swap_space(self, kv_caches: list[torch.Tensor]) -> SwapSpace:
+        """``swap_space_bytes`` of host blocks shaped as the cache's (a null block among them)."""
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        num_blocks = self.config.swap_space_bytes // per_block
+        if num_blocks < 2:
+            raise ConfigError(f"swap_space_bytes {self.config.swap_space_bytes} holds {num_blocks} KV blocks of "
+                              f"{per_block} bytes; it needs at least 2 (one is the null block)")
+        return SwapSpace.allocate(kv_caches, num_blocks)
 
     def _decode_runner(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_batch_size: int,
                        max_logprobs: int, check_graphs: int = 0) -> DecodeGraphRunner:
@@ -291,6 +303,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         with nvtx.range("schedule"):
             scheduled = self.scheduler.schedule()
+        if scheduled.swap_in or scheduled.swap_out:
+            with nvtx.range("swap"):
+                self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
         if scheduled.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")

@@ -10,6 +10,11 @@ the cached ones before them, and the chunk that reaches the prompt's end samples
 A sequence whose prompt has one token left decodes it (the decode of position ``num_tokens - 1``
 samples the same output index as the prefill would). Requests asking for ``prompt_logprobs`` are
 prefilled whole (the scoring reads the whole prompt's hidden states).
+
+With a swap space (``graphrt.swap_space``) a preempted decoding sequence whose blocks fit it is swapped
+out instead of recomputed, and swapped back in (before the step's decodes are scheduled, so it
+decodes in that step) once it is the oldest waiting sequence and its blocks fit with one to spare
+for each running sequence; ``SchedulerOutput.swap_in`` / ``swap_out`` list the block copies.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from graphrt.block_manager import BlockManager
 from graphrt.sequence import Sequence, SequenceStatus
+from graphrt.swap_space import SwapSpace
 
 
 @dataclass
@@ -30,6 +36,9 @@ class SchedulerOutput:
     prefill_tokens: list[int] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    #: Block copies to make before the step's forward: (host, device) pairs, then (device, host) pairs.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -43,11 +52,13 @@ def is_prefilling(seq: Sequence) -> bool:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, swap: SwapSpace | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        #: Where preempted sequences' blocks go instead of being recomputed (None: recompute).
+        self.swap = swap
         self.waiting: deque[Sequence] = deque()
         #: In arrival order, so the last one is the newest (the one preemption takes).
         self.running: list[Sequence] = []
@@ -60,6 +71,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._swap_in(out)
         self._schedule_decodes(out)
         budget = self.max_num_batched_tokens - len(out.decodes)
         for seq in self.running:  # prefills under way hold their blocks already
@@ -86,7 +98,7 @@ class Scheduler:
             # The token decoded this step sits at position num_tokens - 1: the table must cover it.
             while not self.block_manager.can_grow(seq.seq_id, seq.num_tokens):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is seq:
                     return
@@ -94,11 +106,28 @@ class Scheduler:
             out.decodes.append(seq)
             index += 1
 
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Swapped sequences at the head of the queue back to running while their blocks fit with one to
+        spare for each running sequence (its next token's, so the swap-in does not preempt at once)."""
+        while (self.swap is not None and self.waiting and self.swap.holds(self.waiting[0].seq_id)
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            needed = self.block_manager.blocks_needed(seq.num_tokens) + len(self.running)
+            if needed > self.block_manager.num_free_blocks:
+                return
+            self.waiting.popleft()
+            self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+            out.swap_in.extend(self.swap.swap_in(seq.seq_id, self.block_manager.block_table(seq.seq_id)))
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+
     def can_admit(self, token_budget: int | None = None) -> bool:
         """Whether the oldest waiting sequence would be admitted (prefilled) now, within ``token_budget``
         prompt tokens (default: the whole ``max_num_batched_tokens``)."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
+        if self.swap is not None and self.swap.holds(self.waiting[0].seq_id):
+            return False  # it is swapped back in, not prefilled
         seq = self.waiting[0]
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
         needed = 1 if self.chunked_prefill and not seq.needs_prompt_logprobs else seq.num_tokens
@@ -124,9 +153,19 @@ class Scheduler:
             position -= 1
         self.running.insert(position, seq)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self._return_to_waiting(seq)
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap ``seq`` out where a swap space holds its blocks (a decoding sequence: its K/V complete up
+        to its newest token), else send it back to be recomputed."""
         seq.num_preemptions += 1
+        table = self.block_manager.block_table(seq.seq_id)
+        if self.swap is None or is_prefilling(seq) or not self.swap.fits(len(table)):
+            self._return_to_waiting(seq)
+            return
+        out.swap_out.extend(self.swap.swap_out(seq.seq_id, table))
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING  # its computed tokens kept: it resumes decoding
+        self.waiting.appendleft(seq)
 
     def _return_to_waiting(self, seq: Sequence) -> None:
         """A running sequence back to the front of the queue, its blocks freed, to be prefilled again

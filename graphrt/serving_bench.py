@@ -232,7 +232,7 @@ def main(args) -> int:
     if args.speculative is not None:
         options["speculative"] = args.speculative
     options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20)
     with LLM(args.model, **options) as llm:
         engine = llm.engine
         warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1),
@@ -252,7 +252,7 @@ def main(args) -> int:
             json.dump({"model": args.model, "device": str(device), "load": asdict(spec),
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
-                       "enable_prefix_caching": args.enable_prefix_caching,
+                       "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
                        "max_num_batched_tokens": engine.max_num_batched_tokens, **summary}, f, indent=2)
     if args.plot:
         write_plot(timings, args.plot, f"{args.model}: {spec.rate:g} req/s, {spec.num_requests} requests")
