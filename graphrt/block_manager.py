@@ -315,10 +315,11 @@ class BlockManager:
             table.extend(added)
             self._new_version(seq_id)
 
-    def allocate_with_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+    def allocate_with_prefix(self, seq_id: int, token_ids: list[int], count: bool = True) -> int:
         """``allocate(seq_id, len(token_ids))``, the leading full blocks taken from the prefix cache where
         their tokens were computed before; returns how many positions they cover (their K/V is in the
         cache). The last token is never taken from the cache (its forward gives the next token).
+        ``count``: add the lookup to the hit statistics (a prompt's first, not a recomputation's).
         Without ``prefix_caching``, plainly ``allocate`` (returns 0). All-or-nothing."""
         if not self.prefix_caching:
             self.allocate(seq_id, len(token_ids))
@@ -340,8 +341,9 @@ class BlockManager:
         self._tables[seq_id] = table + self._take(fresh)
         self._new_version(seq_id)
         self._cached_blocks[seq_id] = len(hits)
-        self.prefix_queried_tokens += len(token_ids)
-        self.prefix_hit_tokens += len(hits) * self.block_size
+        if count:
+            self.prefix_queried_tokens += len(token_ids)
+            self.prefix_hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
 
     def cache_computed(self, seq_id: int, num_computed: int, tokens: Callable[[int, int], list[int]]) -> None:

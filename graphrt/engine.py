@@ -304,8 +304,14 @@ class LLMEngine:
         with nvtx.range("schedule"):
             scheduled = self.scheduler.schedule()
         if scheduled.swap_in or scheduled.swap_out:
-            with nvtx.range("swap"):
-                self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
+            try:
+                with nvtx.range("swap"):
+                    self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
+            except BaseException:
+                # Blocks a copy may not have filled: their sequences are recomputed instead.
+                self.scheduler.abandon_swaps(scheduled)
+                self.scheduler.requeue_prefills(scheduled.prefills)
+                raise
         if scheduled.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler found no runnable request although requests are pending")
@@ -434,7 +440,7 @@ class LLMEngine:
                 if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
         following = [seqs[row] for row in rows]
         if (not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following))
-                or self.scheduler.has_prefill_under_way()):
+                or self.scheduler.has_prefill_under_way() or self.scheduler.can_swap_in()):
             return [], []
         if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
             return [], []
@@ -506,6 +512,9 @@ class LLMEngine:
             self.closed = True
             self.decode_runner.close()
             self.runner.kv_caches.clear()  # the list the model runner and the graph runner share
+            if self.swap_space is not None:  # the pinned host pool
+                self.swap_space.caches.clear()
+                self.swap_space = self.scheduler.swap = None
             self.model.release_weights()
             if self._draft_decode_runner is not None:
                 self._draft_decode_runner.close()

@@ -39,6 +39,9 @@ class SchedulerOutput:
     #: Block copies to make before the step's forward: (host, device) pairs, then (device, host) pairs.
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    #: The sequences those copies are for.
+    swapped_in: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -109,17 +112,30 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput) -> None:
         """Swapped sequences at the head of the queue back to running while their blocks fit with one to
         spare for each running sequence (its next token's, so the swap-in does not preempt at once)."""
-        while (self.swap is not None and self.waiting and self.swap.holds(self.waiting[0].seq_id)
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            needed = self.block_manager.blocks_needed(seq.num_tokens) + len(self.running)
-            if needed > self.block_manager.num_free_blocks:
-                return
-            self.waiting.popleft()
+        while self.can_swap_in():
+            seq = self.waiting.popleft()
             self.block_manager.allocate(seq.seq_id, seq.num_tokens)
             out.swap_in.extend(self.swap.swap_in(seq.seq_id, self.block_manager.block_table(seq.seq_id)))
+            out.swapped_in.append(seq)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
+
+    def can_swap_in(self) -> bool:
+        """Whether the oldest waiting sequence is swapped and would be swapped back in now."""
+        if self.swap is None or not self.waiting or not self.swap.holds(self.waiting[0].seq_id):
+            return False
+        needed = self.block_manager.blocks_needed(self.waiting[0].num_tokens) + len(self.running)
+        return len(self.running) < self.max_num_seqs and needed <= self.block_manager.num_free_blocks
+
+    def abandon_swaps(self, out: SchedulerOutput) -> None:
+        """The copies of ``out`` failed (or were interrupted): its swapped-in sequences and its swapped-out
+        ones are recomputed instead (their blocks may hold nothing of theirs)."""
+        for seq in out.swapped_in:
+            if seq in self.running:
+                self._return_to_waiting(seq)
+        for seq in out.swapped_out:
+            self.swap.drop(seq.seq_id)
+            seq.num_computed_tokens = 0
 
     def can_admit(self, token_budget: int | None = None) -> bool:
         """Whether the oldest waiting sequence would be admitted (prefilled) now, within ``token_budget``
@@ -139,7 +155,8 @@ class Scheduler:
             if seq.needs_prompt_logprobs:  # scored from the whole prompt's forward
                 self.block_manager.allocate(seq.seq_id, seq.num_tokens)
             else:  # with prefix caching the K/V of its leading full blocks may be there already
-                seq.num_computed_tokens = self.block_manager.allocate_with_prefix(seq.seq_id, seq.all_token_ids)
+                seq.num_computed_tokens = self.block_manager.allocate_with_prefix(
+                    seq.seq_id, seq.all_token_ids, count=seq.num_preemptions == 0)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             out.prefills.append(seq)
@@ -162,6 +179,7 @@ class Scheduler:
             self._return_to_waiting(seq)
             return
         out.swap_out.extend(self.swap.swap_out(seq.seq_id, table))
+        out.swapped_out.append(seq)
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING  # its computed tokens kept: it resumes decoding

@@ -226,3 +226,13 @@ def test_prompt_logprobs_are_computed_from_the_whole_prompt_and_bad_values_refus
     with pytest.raises(ConfigError, match="enable_prefix_caching must be True or False"):
         EngineConfig(enable_prefix_caching=1)
     assert build_parser().parse_args(["generate", "--enable-prefix-caching"]).enable_prefix_caching
+
+
+def test_recomputation_is_not_counted_as_a_prompt_lookup():
+    """Preempted sequences recomputed through the cache (their own blocks) add nothing to the hit rate,
+    which counts prompts' first lookups: prompts that share nothing score 0."""
+    prompts = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33)]
+    with _llm(enable_prefix_caching=True, num_kv_blocks=22, max_model_len=96) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        assert sum(out.num_preemptions for out in outs) > 0
+        assert llm.engine.prefix_cache_hit_rate == 0.0

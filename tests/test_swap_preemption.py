@@ -57,8 +57,9 @@ def test_swapping_with_chunks_prefix_caching_speculation_and_a_small_pool():
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     recomputed = _run(params)[0]
     for options in (dict(enable_chunked_prefill=True, max_num_batched_tokens=9), dict(enable_prefix_caching=True),
-                    dict(speculative="ngram:3")):
-        assert _run(params, swap_space_bytes=64 * BLOCK_BYTES, **options)[0] == recomputed, options
+                    dict(speculative="ngram:3"), dict(async_decode=True)):
+        tokens, _, blocks_out, _ = _run(params, swap_space_bytes=64 * BLOCK_BYTES, **options)
+        assert tokens == recomputed and blocks_out > 0, options
     tokens, preemptions, blocks_out, _ = _run(params, swap_space_bytes=3 * BLOCK_BYTES)  # 2 usable host blocks
     assert tokens == recomputed and preemptions > 0 and blocks_out == 0  # no sequence fits: recomputed
 
@@ -69,3 +70,31 @@ def test_bad_swap_sizes_are_refused():
     with pytest.raises(ConfigError, match="needs at least 2"):
         _llm(swap_space_bytes=BLOCK_BYTES)
     assert build_parser().parse_args(["generate", "--swap-space-mib", "64"]).swap_space_mib == 64
+
+
+def test_an_interrupted_swap_is_recomputed_and_close_releases_the_pool():
+    """A copy that fails (an interrupt while blocks move): the sequences it was moving are recomputed,
+    and the output is still the plain one."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    recomputed = _run(params)[0]
+    with _llm(swap_space_bytes=64 * BLOCK_BYTES) as llm:
+        engine = llm.engine
+        copy, failed = engine.swap_space.copy, []
+
+        def fail_once(caches, into, out):
+            if (into or out) and not failed:
+                failed.append(True)
+                raise KeyboardInterrupt
+            copy(caches, into, out)
+        engine.swap_space.copy = fail_once
+        ids = [engine.add_request(prompt, params, request_id=str(i)) for i, prompt in enumerate(PROMPTS)]
+        finished = {}
+        while engine.has_unfinished_requests():
+            try:
+                outs = engine.step()
+            except KeyboardInterrupt:
+                continue
+            finished.update((out.request_id, out.token_ids) for out in outs if out.finished)
+        assert failed and [finished[str(i)] for i in range(len(ids))] == recomputed
+        assert engine.swap_space.allocator.num_free_blocks == engine.swap_space.allocator.num_usable_blocks
+    assert engine.swap_space is None and engine.scheduler.swap is None
