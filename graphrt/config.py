@@ -166,7 +166,8 @@ class EngineConfig:
                 or self.max_num_batched_tokens < 1):
             raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         if not is_count(self.swap_space_bytes):
-            raise ConfigError(f"swap_space_bytes must be an integer >= 0 (0 = recompute), got {self.swap_space_bytes!r}")
+            raise ConfigError(f"swap_space_bytes must be an integer >= 0 (0 = recompute), "
+                              f"got {self.swap_space_bytes!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

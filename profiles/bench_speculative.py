@@ -8,8 +8,9 @@ small). Each at the batch sizes given (the prompts repeated to fill a batch). Pr
 acceptance rate, tokens per verification and the median verify step (wall, its tokens read) beside
 each ratio, and a plain step (wall per token of a row), checks that both engines gave the same tokens,
 and writes ``--json`` (with the decode graphs' replay times and the host's share of each kind of step
-that the speculative engine's draft lengths weigh, ``graphrt.speculative.step_costs``). ``--draft-model`` drafts with a model instead of prompt lookup. Models without
-a tokenizer get token-id prompts (a random passage, then its first half again).
+that the speculative engine's draft lengths weigh, ``graphrt.speculative.step_costs``).
+``--draft-model`` drafts with a model instead of prompt lookup. Models without a tokenizer get
+token-id prompts (a random passage, then its first half again).
 
     python profiles/bench_speculative.py --json speculative.json                 # the default model
     python profiles/bench_speculative.py --model random:llama-3.2-1b --num-tokens 4 --batch-sizes 1 8

@@ -45,9 +45,9 @@ def _through_first_stop(seq: Sequence, draft: list[int]) -> list[int]:
 
 
 class DraftLength:
-    """A request's next draft length with a draft model: one more (up to k) after a draft kept whole, one more than it
-    kept after a partial one (so the next verify has one row to spare), and after a verify that kept
-    nothing a pause in drafting that doubles while misses repeat (reset by any kept token)."""
+    """A request's next draft length with a draft model: one more (up to k) after a draft kept whole, one
+    more than it kept after a partial one (so the next verify has one row to spare), and after a verify
+    that kept nothing a pause in drafting that doubles while misses repeat (reset by any kept token)."""
 
     def __init__(self, max_tokens: int, adaptive: bool) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
@@ -164,12 +164,9 @@ class Drafter:
         rooms = [min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
                  for seq in seqs]
         if self.draft_model is not None:
-            lengths, spare_rows = [], self.max_rows - len(seqs)
-            for seq, room in zip(seqs, rooms):
-                length = self._length(seq)
-                lengths.append(max(0, min(0 if length.pausing else length.length, room, spare_rows)))
-                spare_rows -= lengths[-1]
-            return DraftPlan(lengths)
+            wanted = [0 if self._length(seq).pausing else min(self._length(seq).length, room)
+                      for seq, room in zip(seqs, rooms)]
+            return DraftPlan(self._within_rows(wanted))
         for seq in seqs:
             self._check_lookup(seq)
         lookups = [self._lookups.get(seq.seq_id, (0, []))[1] if blind else self._lookup(seq) for seq in seqs]
@@ -178,11 +175,17 @@ class Drafter:
             rates = [self._acceptance_of(seq).rate for seq in seqs]
             lengths = plan_lengths(rates, caps, self.costs, self.plain_kind, self.max_rows)
         else:
-            lengths, spare_rows = [], self.max_rows - len(seqs)
-            for cap in caps:
-                lengths.append(max(0, min(cap, spare_rows)))
-                spare_rows -= lengths[-1]
+            lengths = self._within_rows(caps)
         return DraftPlan(lengths, lookups)
+
+    def _within_rows(self, wanted: list[int]) -> list[int]:
+        """``wanted`` draft lengths (one a sequence) cut so that the step's rows (a sequence's own and its
+        drafts') stay within ``max_rows``, earlier sequences first; never negative."""
+        lengths, spare_rows = [], self.max_rows - len(wanted)
+        for length in wanted:
+            lengths.append(max(0, min(length, spare_rows)))
+            spare_rows -= lengths[-1]
+        return lengths
 
     def propose(self, seqs: list[Sequence], plan: DraftPlan) -> list[list[int]]:
         """A draft per sequence (possibly empty) as ``plan`` (``plan(seqs)``) sets their lengths, the
