@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(p50, p99), output tokens and requests a second; --json and --plot (CDFs) write them.",
     )
     add_model_arguments(serving, default_model="random:llama-3.2-1b")
-    serving.add_argument("--rate", type=positive_float, default=4.0, help="arrivals a second (default 4)")
+    serving.add_argument("--rate", type=positive_float, default=4.0,
+                         help="arrivals a second (default 4; inf: every request at the start, an offline run)")
     serving.add_argument("--num-requests", type=positive_int, default=64, help="requests in the run (default 64)")
     serving.add_argument("--prompt-len", type=length_range, default="512:256", metavar="MEAN[:SPREAD]",
                          help="prompt tokens, uniform in MEAN +- SPREAD (default 512:256)")
@@ -254,7 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--shared-prefix", type=fraction_and_length, default=(0.0, 0), metavar="FRACTION:LEN",
                          help="that fraction of the requests starts with one common prefix of LEN tokens "
                               "(default 0:0, none)")
-    serving.add_argument("--seed", type=int, default=0, help="seeds the arrivals, lengths and prompts")
+    serving.add_argument("--temperature", type=float, default=0.0,
+                         help="every request's temperature (default 0: greedy), each with a seed of its own")
+    serving.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
+    serving.add_argument("--seed", type=int, default=0, help="seeds the arrivals, lengths, prompts and sampling")
     serving.add_argument("--max-num-seqs", type=positive_int, default=256, help="most sequences in one step")
     serving.add_argument("--max-model-len", type=positive_int, default=None,
                          help="longest sequence (default: the load's longest)")

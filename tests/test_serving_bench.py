@@ -43,6 +43,25 @@ def test_the_engine_finishes_every_request_with_its_length_and_the_summary_is_or
     assert summary["prefix_hit_rate"] is None
 
 
+def test_an_infinite_rate_is_an_offline_run_of_seeded_sampled_requests(tmp_path):
+    spec = LoadSpec(rate=float("inf"), num_requests=5, prompt_len=LengthRange(12, 4), output_len=LengthRange(6),
+                    temperature=0.8, top_p=0.95, seed=2)
+    requests = make_requests(spec, vocab_size=500)
+    assert [r.arrival_s for r in requests] == [0.0] * 5
+    assert len({r.params.seed for r in requests}) == 5
+    assert all(r.params.temperature == 0.8 and r.params.top_p == 0.95 and r.params.ignore_eos for r in requests)
+    with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=32, progress=False) as llm:
+        timings, _ = run_load(llm.engine, requests)
+    assert [(t.tokens, t.arrival_s) for t in timings] == [(6, 0.0)] * 5
+    out_json = tmp_path / "offline.json"
+    assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--rate", "inf", "--num-requests", "4",
+                 "--prompt-len", "8:3", "--output-len", "4", "--temperature", "0.8", "--top-p", "0.95",
+                 "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert result["load"]["rate"] == "inf" and result["load"]["temperature"] == 0.8
+    assert result["output_tokens"] == 16
+
+
 def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "serving.json", tmp_path / "serving.png"
     assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--rate", "100", "--num-requests", "6",
@@ -70,9 +89,13 @@ def test_cli_refuses_bad_load_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_load_longer_than_max_model_len_is_refused_before_building(capsys):
+def test_bad_loads_are_refused_before_building(capsys):
     assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--prompt-len", "20:4",
                  "--output-len", "10", "--max-model-len", "30"]) != 0
     assert "longest sequence (34 tokens" in capsys.readouterr().err
+    for argv, message in ((["--temperature", "-1"], "the temperature must be finite and >= 0, got -1.0"),
+                          (["--top-p", "0"], "top_p must be in (0, 1], got 0.0")):
+        assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", *argv]) != 0
+        assert message in capsys.readouterr().err
     with pytest.raises(ConfigError, match="arrival rate must be > 0"):
         LoadSpec(rate=0.0, num_requests=1, prompt_len=LengthRange(4), output_len=LengthRange(4))
