@@ -30,7 +30,8 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, SCALE_V: tl.constexpr):
+def _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                SCALE_V: tl.constexpr):
     """Fold one key tile into the online softmax. qk: [BLOCK_R, BLOCK_N] float32 logits in log2 units;
     v: [BLOCK_N, HEAD_PAD] as stored (times ``v_scale`` when SCALE_V)."""
     qk = tl.where(allowed, qk, float("-inf"))
@@ -38,7 +39,7 @@ def _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE: tl.constexpr,
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     if SCALE_V:
         pv = pv * v_scale
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
@@ -81,6 +82,7 @@ def _prefix_prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 dots (Hopper would round them to TF32), else None
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -131,13 +133,13 @@ def _prefix_prefill_kernel(
         offset = block * stride_cache_block + ((pos % CACHE_BLOCK) * NUM_KV_HEADS + kv_head) * HEAD_SIZE
         k = tl.load(KCache + offset[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(VCache + offset[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
-        qk = tl.dot(q, k.to(DOT_DTYPE)) * ctx_qk_scale
+        qk = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * ctx_qk_scale
         if HAS_ALIBI:
             qk += slope[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = pos_ok[None, :]
         if HAS_WINDOW:
             allowed = allowed & (q_pos[:, None] - pos[None, :] < window)
-        m_i, l_i, acc = _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE, KV_FP8)
+        m_i, l_i, acc = _accumulate(qk, v, v_scale, allowed, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION, KV_FP8)
 
     # New tokens [.., last_tok] of this step, causally, from the key/value tensors.
     for n0 in range((tl.maximum(lowest_key - ctx, 0) // BLOCK_N) * BLOCK_N, last_tok + 1, BLOCK_N):
@@ -148,13 +150,13 @@ def _prefix_prefill_kernel(
                     mask=idx_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(VNew + token[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                     mask=idx_ok[:, None] & dim_ok[None, :], other=0.0)
-        qk = tl.dot(q, k.to(DOT_DTYPE)) * new_qk_scale
+        qk = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * new_qk_scale
         if HAS_ALIBI:
             qk += slope[:, None] * (idx[None, :] - tok[:, None]).to(tl.float32)
         allowed = (idx[None, :] <= tok[:, None]) & idx_ok[None, :]
         if HAS_WINDOW:
             allowed = allowed & (tok[:, None] - idx[None, :] < window)
-        m_i, l_i, acc = _accumulate(qk, v, 1.0, allowed, m_i, l_i, acc, DOT_DTYPE, False)
+        m_i, l_i, acc = _accumulate(qk, v, 1.0, allowed, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION, False)
 
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
     tl.store(
@@ -232,6 +234,7 @@ def triton_prefix_prefill(
     block_r, block_n = block_r or auto_r, block_n or auto_n
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else query  # unread without ALiBi
     grid = (triton.cdiv(max_query_len * per_kv, block_r), num_seqs, num_kv_heads)
+    dot_fp32 = query.device.type == "cpu" and query.dtype == torch.bfloat16
     _prefix_prefill_kernel[grid](
         query,
         key,
@@ -268,7 +271,8 @@ def triton_prefix_prefill(
         HAS_WINDOW=sliding_window is not None,
         KV_FP8=kv_fp8,
         # Triton's CPU interpreter (3.9) computes bf16 tl.dot wrongly; there, dot in float32 instead.
-        DOT_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if dot_fp32 or query.dtype == torch.float32 else None,
         num_warps=num_warps,
         num_stages=2,
     )
