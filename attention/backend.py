@@ -88,6 +88,9 @@ class AttentionBackend(ABC):
     """Static description of a backend; the engine picks one by name through the registry."""
 
     name: str
+    #: Whether prompt steps can run in captured graphs: prefill attention that takes ``captured`` metadata
+    #: (lengths on the device only; ``graphrt.capture.prefill_graphs``).
+    supports_prompt_graphs: bool = False
 
     @staticmethod
     @abstractmethod

@@ -10,7 +10,8 @@ sequence. Lengths have one meaning each:
 
 Metadata built for a captured CUDA graph has no host lengths (they change between replays): its
 ``seq_lens`` host list is None and kernels read lengths from the device tensors, bounded by
-``max_decode_seq_len``, the captured maximum context.
+``max_decode_seq_len``, the captured maximum context. Captured prompt metadata (``captured``) has host
+``query_lens`` that only bound the launch (the first entry the bucket's tokens, the rest 0).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class AttentionMetadata:
     max_decode_seq_len: int = 0
     #: Preallocated split-K scratch for decode kernels (set on graph metadata; None = allocate per call).
     decode_workspace: object | None = None
+    #: A captured prompt step (``graphrt.capture.prefill_graphs``): lengths only in the device tensors,
+    #: so prefill attention is the kernel that reads them there (the prefix-prefill kernel).
+    captured: bool = False
 
     def __post_init__(self) -> None:
         if not self.max_decode_seq_len and self.seq_lens is not None:
@@ -120,6 +124,7 @@ class AttentionMetadata:
             block_size=self.block_size,
             max_decode_seq_len=0 if is_prefill else self.max_decode_seq_len,
             decode_workspace=None if is_prefill else self.decode_workspace,
+            captured=self.captured,
         )
 
     @classmethod

@@ -73,7 +73,7 @@ class TritonAttentionImpl(AttentionImpl):
         return out.view(num_tokens, heads * size)
 
     def _run_prefill(self, q, k, v, kv_cache, prefill: AttentionMetadata, alibi, kv_scales, out) -> None:
-        uncached = all(c == 0 for c in prefill.context_lens)
+        uncached = not prefill.captured and all(c == 0 for c in prefill.context_lens)
         if uncached and self._use_xformers:  # flash for fp16/bf16; xFormers dispatches fp32 to cutlass
             plan = _shared_prefill_plan(self._xformers, prefill, heads=self.num_heads, dtype=q.dtype,
                                         device=q.device, window=self.sliding_window, alibi=alibi)
@@ -112,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton paged-cache kernels plus xFormers prefill; CUDA only."""
 
     name = "triton"
+    supports_prompt_graphs = True  # the prefix-prefill kernel reads every length from device tensors
 
     @staticmethod
     def get_impl_cls():

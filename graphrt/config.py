@@ -87,6 +87,12 @@ class EngineConfig:
     swap_space_bytes: int = 0
     #: Never capture CUDA graphs (decode runs eagerly through the same static buffers).
     enforce_eager: bool = False
+    #: CUDA: a step's prompt tokens (whole prompts or chunks), when at most this many over at most
+    #: ``graphrt.capture.prefill_graphs.PREFILL_GRAPH_SEQS`` sequences, replay a captured forward padded
+    #: to a bucket of tokens (powers of two from 16, capped at this number and at the step's token budget)
+    #: instead of launching every kernel from the host. 0 = prompts always run eagerly (as with
+    #: ``enforce_eager``); prompt steps that ask for ``prompt_logprobs`` or calibrate KV scales always do.
+    prefill_graph_tokens: int = 2048
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
     #: trimmed to max_num_seqs.
     capture_sizes: list[int] | None = None
@@ -161,6 +167,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) \
+                or self.prefill_graph_tokens < 0:
+            raise ConfigError(f"prefill_graph_tokens must be an integer >= 0, got {self.prefill_graph_tokens!r}")
         if self.max_num_batched_tokens is not None and (
                 isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
                 or self.max_num_batched_tokens < 1):

@@ -19,6 +19,7 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeGraphRunner, PendingTokens, choose_bucket
+from graphrt.capture.prefill_graphs import PrefillGraphRunner
 from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
                             resolve_kv_cache_dtype)
 from graphrt.host_memory import return_freed_host_memory
@@ -114,10 +115,15 @@ class LLMEngine:
         if config.calibrate_kv_scales and self.model.layers and not self.calibrate_kv_scales:
             logger.warning("calibrate_kv_scales: every layer has KV-cache scales from the checkpoint; they are "
                            "kept and nothing is calibrated")
+        #: Captured prompt steps (None: prompts run eagerly; ``EngineConfig.prefill_graph_tokens``).
+        self.prefill_graphs = self._prefill_graphs(kv_caches)
         if not self.calibrate_kv_scales:
             self.decode_runner.capture(progress=progress)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.capture(progress=progress)
         self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
-                                  kv_scales_pending=self.calibrate_kv_scales, progress=progress)
+                                  kv_scales_pending=self.calibrate_kv_scales, progress=progress,
+                                  prefill_graphs=self.prefill_graphs)
         #: Host blocks for swap preemption (None: preempted sequences are recomputed).
         self.swap_space = self._swap_space(kv_caches) if config.swap_space_bytes else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
@@ -175,6 +181,16 @@ class LLMEngine:
             max_batch_size=max_batch_size, capture_sizes=cfg.capture_sizes, enforce_eager=cfg.enforce_eager,
             max_logprobs=max_logprobs, check_graphs=check_graphs, device=self.device,
         )
+
+    def _prefill_graphs(self, kv_caches: list[torch.Tensor]) -> PrefillGraphRunner | None:
+        """Prompt graphs up to ``prefill_graph_tokens`` (at most the step budget), where they can run:
+        CUDA, graphs not turned off, an attention backend that takes captured prompt metadata."""
+        cfg = self.config
+        tokens = min(cfg.prefill_graph_tokens, self.max_num_batched_tokens)
+        if (self.device.type != "cuda" or cfg.enforce_eager or tokens == 0
+                or not self.attention_backend.supports_prompt_graphs):
+            return None
+        return PrefillGraphRunner(self.model, kv_caches, cfg.block_size, tokens, self.max_model_len, self.device)
 
     def _build_model(self, checkpoint, quantization: str | None, progress: bool) -> LlamaForCausalLM:
         """A checkpoint's model on the engine's device, dtype and kernels, weights loaded."""
@@ -511,6 +527,8 @@ class LLMEngine:
             self._requests.clear()
             self.closed = True
             self.decode_runner.close()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.close()
             self.runner.kv_caches.clear()  # the list the model runner and the graph runner share
             if self.swap_space is not None:  # the pinned host pool
                 self.swap_space.caches.clear()

@@ -1,13 +1,15 @@
 """Turns a scheduled step into tensors once, runs the model, and samples one token per sequence.
 
-A step's prefills run eagerly (variable shapes); its decodes go through the decode graph runner,
-which replays a captured CUDA graph when it can. A step with both runs the prefill forward first,
-then the decode replay: two forwards, so that new prompts never knock running sequences off their
-graphs.
+A step's prompt tokens replay a captured prompt graph padded to a bucket of tokens when one holds
+them (``graphrt.capture.prefill_graphs``), else run eagerly; its decodes go through the decode graph
+runner, which replays a captured CUDA graph when it can. A step with both runs the prompt forward
+first, then the decode replay: two forwards, so that new prompts never knock running sequences off
+their graphs.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -17,6 +19,7 @@ from graphrt.attention.metadata import pinned_to_device
 from graphrt.base import nvtx
 from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeBatch, DecodeGraphRunner, PendingTokens
+from graphrt.capture.prefill_graphs import PrefillGraphRunner
 from graphrt.models.llama import LlamaForCausalLM
 from graphrt.sampling.logprobs import (
     PROMPT_ROWS_PER_CHUNK,
@@ -46,6 +49,7 @@ class ModelRunner:
         decode_runner: DecodeGraphRunner,
         kv_scales_pending: bool = False,
         progress: bool = True,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -61,6 +65,8 @@ class ModelRunner:
         #: scales are measured over it, then the decode graphs captured (``progress``: their progress bar).
         self.kv_scales_pending = kv_scales_pending
         self._progress = progress
+        #: Captured prompt steps (None: every prompt step eager).
+        self.prefill_graphs = prefill_graphs
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence], prefill_tokens: list[int] | None = None
                 ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
@@ -144,8 +150,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _prefill(self, seqs: list[Sequence], lengths: list[int] | None = None
                  ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
-        """One eager forward over every sequence's uncomputed tokens (``lengths[i]`` of them: a chunk,
-        attending over the cached tokens before it), then one sampled token (and its logprobs where
+        """One forward over every sequence's uncomputed tokens (``lengths[i]`` of them: a chunk,
+        attending over the cached tokens before it; a prompt graph's replay where one holds the step,
+        else eager), then one sampled token (and its logprobs where
         asked) for each sequence whose chunk reached its last token, None for the others; prompts that
         ask are scored too (their prefill is whole)."""
         input_ids: list[int] = []
@@ -162,28 +169,24 @@ class ModelRunner:
             query_lens.append(end - start)
             ends.append(end)
         done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.num_tokens]
+        tables = [self.block_manager.block_table(seq.seq_id) for seq in seqs]
+        graphs = self.prefill_graphs
         with nvtx.prefill(len(seqs), len(input_ids)):
-            metadata = self.backend.make_metadata(
-                query_lens=query_lens,
-                seq_lens=ends,
-                num_prefills=len(seqs),
-                block_tables=[self.block_manager.block_table(seq.seq_id) for seq in seqs],
-                slot_mapping=slots,
-                block_size=self.block_size,
-                device=self.device,
-            )
-            ids = pinned_to_device(input_ids, torch.int64, self.device)
-            position_ids = pinned_to_device(positions, torch.int64, self.device)
-            if self.kv_scales_pending:
-                self._calibrate_kv_scales(ids, position_ids, metadata)
-            hidden = self.model(ids, position_ids, self.kv_caches, metadata)
-            scored_prompts = self._score_prompts(seqs, hidden, query_lens)
+            if (graphs is not None and not self.kv_scales_pending
+                    and not any(seq.needs_prompt_logprobs for seq in seqs)
+                    and graphs.fits(len(input_ids), len(seqs), max(map(len, tables), default=0))):
+                hidden = graphs.run(input_ids, positions, slots, query_lens, ends, tables)
+                scored_prompts = [None] * len(seqs)
+                ends_in_step = itertools.accumulate(query_lens)
+                last_token_rows = pinned_to_device([end - 1 for end in ends_in_step], torch.int64, self.device)
+            else:
+                hidden, last_token_rows = self._prefill_eagerly(input_ids, positions, slots, query_lens, ends, tables)
+                scored_prompts = self._score_prompts(seqs, hidden, query_lens)
         token_ids: list[int | None] = [None] * len(seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if done:
             sampled_seqs = [seqs[row] for row in done]
-            last_token_rows = metadata.query_start_loc[1:].long() - 1  # each sequence's last new token
-            if len(done) < len(seqs):
+            if len(done) < len(seqs):  # each finished prompt's last new token
                 last_token_rows = last_token_rows[torch.tensor(done, device=last_token_rows.device)]
             logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
             with nvtx.range("sample"):
@@ -203,6 +206,26 @@ class ModelRunner:
                 seq.prompt_logprobs = scored
         return token_ids, logprobs
 
+    def _prefill_eagerly(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
+                         ends: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager forward of a prompt step (the KV scales calibrated over it first when pending):
+        the final hidden states [T, hidden] and each sequence's last new row [B] int64."""
+        metadata = self.backend.make_metadata(
+            query_lens=query_lens,
+            seq_lens=ends,
+            num_prefills=len(query_lens),
+            block_tables=tables,
+            slot_mapping=slots,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        ids = pinned_to_device(input_ids, torch.int64, self.device)
+        position_ids = pinned_to_device(positions, torch.int64, self.device)
+        if self.kv_scales_pending:
+            self._calibrate_kv_scales(ids, position_ids, metadata)
+        hidden = self.model(ids, position_ids, self.kv_caches, metadata)
+        return hidden, metadata.query_start_loc[1:].long() - 1
+
     def _calibrate_kv_scales(self, ids: torch.Tensor, positions: torch.Tensor, metadata) -> None:
         """The first prefill's forward once to measure the layers' largest k and v (its cache writes,
         with the old scales, are overwritten by the forward that follows), the scales set, then the
@@ -210,6 +233,8 @@ class ModelRunner:
         with nvtx.range("calibrate kv scales"):
             scales = self.model.calibrate_kv_scales(lambda: self.model(ids, positions, self.kv_caches, metadata))
         self.kv_scales_pending = False
+        if self.prefill_graphs is not None:  # the scales are baked into the prompt graphs too
+            self.prefill_graphs.capture(progress=self._progress)
         if scales:
             logger.info("KV-cache scales calibrated over %d prompt tokens: k %.3g..%.3g, v %.3g..%.3g",
                         ids.shape[0], min(k for k, _ in scales), max(k for k, _ in scales),

@@ -259,6 +259,7 @@ def main(args) -> int:
         queried, hit = manager.prefix_queried_tokens - before[0], manager.prefix_hit_tokens - before[1]
         hit_rate = (hit / queried if queried else 0.0) if manager.prefix_caching else None
         device = engine.device
+        prompt_graphs = None if engine.prefill_graphs is None else engine.prefill_graphs.stats.as_dict()
     summary = summarize(timings, duration, hit_rate)
     print(format_summary(summary))
     if args.json:
@@ -268,7 +269,8 @@ def main(args) -> int:
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
                        "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
-                       "max_num_batched_tokens": engine.max_num_batched_tokens, **summary}, f, indent=2)
+                       "max_num_batched_tokens": engine.max_num_batched_tokens, "prompt_graphs": prompt_graphs,
+                       **summary}, f, indent=2)
     if args.plot:
         rate = "offline" if math.isinf(spec.rate) else f"{spec.rate:g} req/s"
         write_plot(timings, args.plot, f"{args.model}: {rate}, {spec.num_requests} requests")

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="decode-only steps before recording")
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="prompts in chunks over several steps")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=2048,
+                        help="prompt steps of at most this many tokens replay prompt graphs (0: eager prompts)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="with --enable-chunked-prefill: most tokens a step runs (default 2048)")
     parser.add_argument("--nvtx-layers", action="store_true", help="a 'layer N' range per decoder layer (eager)")
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK_SIZE, num_kv_blocks=max_seqs * -(-max_len // BLOCK_SIZE) + 1,
         max_num_batched_tokens=(args.max_num_batched_tokens if args.enable_chunked_prefill
                                 else max(args.batch_size * args.context, args.prompt_len + max_seqs)),
-        enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager, nvtx=True,
+        enable_chunked_prefill=args.enable_chunked_prefill, prefill_graph_tokens=args.prefill_graph_tokens,
+        enforce_eager=args.enforce_eager, nvtx=True,
         nvtx_layers=args.nvtx_layers, **kernel_options(args),
     ), progress=False)
     rng = random.Random(0)
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{max(mixed_ms, default=0):.3f}), {len(decode_ms)} decode-only "
           f"(median {median(decode_ms)} ms), {queued_only} that only queued a pipelined decode")
     print(f"decode stats: {engine.decode_runner.stats.as_dict()}")
+    if engine.prefill_graphs is not None:
+        print(f"prompt graph stats: {engine.prefill_graphs.stats.as_dict()}")
     if profiling:
         print(summarize_trace(args.torch_profile))
     return 0

@@ -22,8 +22,8 @@
 #   bench-fp8-kv                       the 8B in FP8 at batch 64, context 4096: bf16 cache, then the FP8 cache
 #   serving                            graphrt bench-serving: the 1B shape under Poisson load (TTFT, ITL), two rates
 #   serving-steps                      mixed_prefill_decode.py: 32 decoding at 2048 while 2048-token prompts arrive,
-#                                      whole or in chunks of 256 / 512-token steps (torch.profiler of two; the
-#                                      traces go to /tmp, their summaries to the logs)
+#                                      whole or in chunks of 256 / 512-token steps, prompt graphs off and on
+#                                      (torch.profiler of two; the traces go to /tmp, their summaries to the logs)
 #   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
 #                                      with step budgets of 256, 512, 1024 tokens
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
@@ -167,14 +167,16 @@ for stage in $stages; do
       done
       ;;
     serving-steps)
-      for budget in 0 256 512; do
-        mode=$([ "$budget" = 0 ] && echo whole || echo "chunked$budget")
-        log "mixed_prefill_decode.py: 32 sequences at 2048 decoding, a 2048-token prompt every 8 steps, $mode"
+      # mode: prompt tokens a step (0: whole prompts), then prompt graphs on (2048) or off (0)
+      for mode in whole:0:0 whole:0:2048 chunked256:256:0 chunked256:256:2048 chunked512:512:2048; do
+        IFS=: read -r name budget graphs <<< "$mode"
+        label=$name$([ "$graphs" = 0 ] && echo _eager_prompts)
+        log "mixed_prefill_decode.py: 32 sequences at 2048 decoding, a 2048-token prompt every 8 steps, $label"
         python profiles/mixed_prefill_decode.py --batch-size 32 --context 2048 --prompt-len 2048 --arrivals 6 \
-          --arrival-every 8 --max-tokens 16 \
+          --arrival-every 8 --max-tokens 16 --prefill-graph-tokens "$graphs" \
           $([ "$budget" != 0 ] && echo --enable-chunked-prefill --max-num-batched-tokens "$budget") \
-          $([ "$budget" != 512 ] && echo --torch-profile "/tmp/serving_steps_${mode}.json.gz") \
-          | tee "$OUT/serving_steps_${mode}_$TAG.txt" || status=1
+          $([ "$graphs" != 0 ] && [ "$budget" != 512 ] && echo --torch-profile "/tmp/serving_steps_$label.json.gz") \
+          | tee "$OUT/serving_steps_${label}_$TAG.txt" || status=1
       done
       ;;
     serving-chunked)

