@@ -19,6 +19,10 @@ The decode graphs' rules hold here too:
 
 The graph leaves the final hidden states of every bucket row in a static output; the caller picks each
 sequence's last row and samples outside the graph (a prompt step samples only the prompts it finishes).
+
+With ``eager`` (``enforce_eager`` on CUDA) nothing is captured and a step runs the same forward eagerly
+on the same staged, padded inputs, so that its tokens are the graphs' bit for bit, as the decode graph
+runner's eager steps are.
 """
 
 from __future__ import annotations
@@ -80,11 +84,11 @@ class PrefillGraphRunner:
 
     ``max_tokens``: the largest bucket (a step's prompt tokens, all sequences together);
     ``max_seq_len``: the longest sequence, which fixes the block-table width; ``block_size``: the
-    cache's tokens per block.
+    cache's tokens per block; ``eager``: run each bucket's forward without capturing it.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_tokens: int, max_seq_len: int,
-                 device: torch.device, max_seqs: int = PREFILL_GRAPH_SEQS) -> None:
+                 device: torch.device, max_seqs: int = PREFILL_GRAPH_SEQS, eager: bool = False) -> None:
         if device.type != "cuda":
             raise ValueError("prompt graphs need a CUDA device")
         self.model = model
@@ -109,6 +113,9 @@ class PrefillGraphRunner:
         #: [bucket, hidden] in the model dtype: each graph's final hidden states (in the graphs' pool).
         self.outputs: dict[int, torch.Tensor] = {}
         self.stats = PrefillGraphStats()
+        self.eager = eager
+        #: Whether steps may run here: graphs captured, or ``eager``.
+        self.ready = eager
         self.closed = False
 
     @property
@@ -122,7 +129,7 @@ class PrefillGraphRunner:
     def fits(self, num_tokens: int, num_seqs: int, longest_table: int) -> bool:
         """Whether a prompt step of ``num_tokens`` tokens over ``num_seqs`` sequences, the longest block
         table ``longest_table`` blocks, can replay a graph."""
-        return (bool(self.graphs) and 0 < num_tokens <= self.max_tokens and 0 < num_seqs <= self.max_seqs
+        return (self.ready and 0 < num_tokens <= self.max_tokens and 0 < num_seqs <= self.max_seqs
                 and longest_table <= self.max_blocks_per_seq)
 
     def metadata(self, tokens: int) -> AttentionMetadata:
@@ -150,7 +157,9 @@ class PrefillGraphRunner:
 
     def capture(self, progress: bool = True) -> PrefillGraphStats:
         """Warm up every bucket on a side stream, then capture them largest first into one pool. A failure
-        leaves prompt steps eager with one warning; it never raises."""
+        leaves prompt steps eager with one warning; it never raises. Nothing to do with ``eager``."""
+        if self.eager:
+            return self.stats
         start = time.perf_counter()
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
@@ -174,13 +183,14 @@ class PrefillGraphRunner:
                         self.outputs[tokens] = self._forward(tokens)
                     self.graphs[tokens] = graph
             torch.cuda.synchronize(self.device)
-        except Exception as exc:  # any capture problem: prompts run eagerly rather than crash
+        except Exception as exc:  # any capture problem: prompts run eagerly (unpadded) rather than crash
             self.graphs.clear()
             self.outputs.clear()
             self.stats.capture_error = f"{type(exc).__name__}: {exc}"
             logger.warning("prompt graph capture failed, prompt steps run eagerly instead: %s",
                            self.stats.capture_error)
             return self.stats
+        self.ready = True
         self.stats.num_graphs = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
@@ -216,9 +226,11 @@ class PrefillGraphRunner:
                              f"(longest table {longest} blocks) has no graph")
         tokens = self.bucket(num_tokens)
         self._stage(input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens)
+        self.stats.padded_tokens += tokens - num_tokens
+        if self.eager:
+            return self._forward(tokens)[:num_tokens]
         self.graphs[tokens].replay()
         self.stats.replays_per_bucket[tokens] = self.stats.replays_per_bucket.get(tokens, 0) + 1
-        self.stats.padded_tokens += tokens - num_tokens
         return self.outputs[tokens][:num_tokens]
 
     def _stage(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens: int) -> None:
@@ -252,4 +264,5 @@ class PrefillGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.kv_caches = []
+        self.ready = False
         self.closed = True

@@ -183,14 +183,16 @@ class LLMEngine:
         )
 
     def _prefill_graphs(self, kv_caches: list[torch.Tensor]) -> PrefillGraphRunner | None:
-        """Prompt graphs up to ``prefill_graph_tokens`` (at most the step budget), where they can run:
-        CUDA, graphs not turned off, an attention backend that takes captured prompt metadata."""
+        """Prompt graphs up to ``prefill_graph_tokens`` (at most the step budget), where they can run: CUDA,
+        an attention backend that takes captured prompt metadata. With ``enforce_eager`` the runner runs
+        what the graphs would replay without capturing them (so that eager and graphs give the same
+        tokens)."""
         cfg = self.config
         tokens = min(cfg.prefill_graph_tokens, self.max_num_batched_tokens)
-        if (self.device.type != "cuda" or cfg.enforce_eager or tokens == 0
-                or not self.attention_backend.supports_prompt_graphs):
+        if self.device.type != "cuda" or tokens == 0 or not self.attention_backend.supports_prompt_graphs:
             return None
-        return PrefillGraphRunner(self.model, kv_caches, cfg.block_size, tokens, self.max_model_len, self.device)
+        return PrefillGraphRunner(self.model, kv_caches, cfg.block_size, tokens, self.max_model_len, self.device,
+                                  eager=cfg.enforce_eager)
 
     def _build_model(self, checkpoint, quantization: str | None, progress: bool) -> LlamaForCausalLM:
         """A checkpoint's model on the engine's device, dtype and kernels, weights loaded."""
@@ -571,6 +573,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if all(type(t) is int for t in prompt):  # the common case, without an ABC check a token
+            return None, list(prompt)
         # Any integer type (NumPy's scalars included, as SamplingParams takes them), not bool.
         bad = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if bad:
