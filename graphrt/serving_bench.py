@@ -15,7 +15,8 @@ latency (ITL: the gaps between successive steps that returned tokens to a reques
 returning several counts once), time per output token per request (TPOT: first to last token over the
 tokens after the first), p50 and p99 of each, output tokens and requests a second over the run, and the
 prefix-cache hit rate (prompt tokens found in the cache over those looked up in the run; None without
-``--enable-prefix-caching``). A short warm-up runs first and is not counted.
+``--enable-prefix-caching``), and the sequences running after each step (mean, largest: the decode
+batch the load kept up). A short warm-up runs first and is not counted.
 """
 
 from __future__ import annotations
@@ -141,10 +142,11 @@ class RequestTiming:
         return (self.delivery_s[-1] - self.delivery_s[0]) / (self.tokens - 1) if self.tokens > 1 else None
 
 
-def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep=time.sleep
-             ) -> tuple[list[RequestTiming], float]:
+def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep=time.sleep,
+             running: list[int] | None = None) -> tuple[list[RequestTiming], float]:
     """Drive ``engine`` (an ``LLMEngine``) through ``requests``; returns each request's timing and the
-    run's duration in seconds (first arrival counted from the start, to the last token)."""
+    run's duration in seconds (first arrival counted from the start, to the last token). ``running``,
+    when given, gets the number of sequences the engine was running after each step."""
     timings = [RequestTiming(r.arrival_s, []) for r in requests]
     start, next_request = clock(), 0
     while next_request < len(requests) or engine.has_unfinished_requests():
@@ -158,6 +160,8 @@ def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep
             continue
         outputs = engine.step()
         returned = clock() - start
+        if running is not None:
+            running.append(len(engine.scheduler.running))
         for out in outputs:
             timing = timings[int(out.request_id)]
             if len(out.token_ids) > timing.tokens:
@@ -175,9 +179,12 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50_ms": round(1e3 * statistics.median(ordered), 3), "p99_ms": round(1e3 * p99, 3)}
 
 
-def summarize(timings: list[RequestTiming], duration_s: float, prefix_hit_rate: float | None = None) -> dict:
+def summarize(timings: list[RequestTiming], duration_s: float, prefix_hit_rate: float | None = None,
+              running: list[int] | None = None) -> dict:
     """The run's latency percentiles and throughput (see the module docstring); ``prefix_hit_rate``:
-    the prompt tokens the prefix cache held over those looked up in the run (None without one)."""
+    the prompt tokens the prefix cache held over those looked up in the run (None without one);
+    ``running``: sequences running after each step, whose mean and largest are reported (the decode
+    batch the load kept up)."""
     tokens = sum(t.tokens for t in timings)
     return {
         "requests": len(timings),
@@ -189,6 +196,8 @@ def summarize(timings: list[RequestTiming], duration_s: float, prefix_hit_rate: 
         "itl": _percentiles([gap for t in timings for gap in t.itl_s]),
         "tpot": _percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
         "prefix_hit_rate": None if prefix_hit_rate is None else round(prefix_hit_rate, 4),
+        "running_mean": round(statistics.fmean(running), 2) if running else None,
+        "running_max": max(running) if running else None,
     }
 
 
@@ -203,6 +212,7 @@ def format_summary(summary: dict) -> str:
         f"ITL   {ms(summary['itl'])}",
         f"TPOT  {ms(summary['tpot'])}",
         f"prefix cache hit rate: {summary['prefix_hit_rate'] if summary['prefix_hit_rate'] is not None else '-'}",
+        f"sequences running after a step: mean {summary['running_mean']}, largest {summary['running_max']}",
     ])
 
 
@@ -255,12 +265,13 @@ def main(args) -> int:
         requests = make_requests(spec, engine.model_config.vocab_size)
         manager = engine.block_manager
         before = manager.prefix_queried_tokens, manager.prefix_hit_tokens
-        timings, duration = run_load(engine, requests)
+        running: list[int] = []
+        timings, duration = run_load(engine, requests, running=running)
         queried, hit = manager.prefix_queried_tokens - before[0], manager.prefix_hit_tokens - before[1]
         hit_rate = (hit / queried if queried else 0.0) if manager.prefix_caching else None
         device = engine.device
         prompt_graphs = None if engine.prefill_graphs is None else engine.prefill_graphs.stats.as_dict()
-    summary = summarize(timings, duration, hit_rate)
+    summary = summarize(timings, duration, hit_rate, running)
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:

@@ -33,10 +33,13 @@ def test_the_engine_finishes_every_request_with_its_length_and_the_summary_is_or
     spec = LoadSpec(rate=400.0, num_requests=10, prompt_len=LengthRange(9, 5), output_len=LengthRange(5, 3), seed=1)
     with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=32, progress=False) as llm:
         requests = make_requests(spec, llm.engine.model_config.vocab_size)
-        timings, duration = run_load(llm.engine, requests)
+        running: list[int] = []
+        timings, duration = run_load(llm.engine, requests, running=running)
     assert [t.tokens for t in timings] == [r.max_tokens for r in requests]
+    assert running and running[-1] == 0 and 1 <= max(running) <= 10
     assert all(t.ttft_s >= 0 and all(gap >= 0 for gap in t.itl_s) for t in timings)
-    summary = summarize(timings, duration)
+    summary = summarize(timings, duration, running=running)
+    assert summary["running_max"] == max(running) and 0 < summary["running_mean"] <= max(running)
     assert summary["output_tokens"] == sum(r.max_tokens for r in requests)
     for stat in ("ttft", "itl", "tpot"):
         assert 0 <= summary[stat]["p50_ms"] <= summary[stat]["p99_ms"]
@@ -72,6 +75,7 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     result = json.loads(out_json.read_text())
     assert result["requests"] == 6 and result["load"]["shared_prefix_len"] == 6
     assert result["ttft"]["p50_ms"] is not None and result["output_tokens_per_s"] > 0
+    assert result["running_max"] >= 1 and "sequences running after a step" in printed
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
