@@ -13,6 +13,11 @@ from graphrt.outputs import RequestOutput
 from graphrt.sampling.params import SamplingParams
 
 Prompt = str | list[int]
+#: One chat turn, ``{"role": ..., "content": ...}``, and a conversation: turns in order.
+Message = dict[str, str]
+Conversation = list[Message]
+#: Roles a chat message may have.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class LLM:
@@ -93,19 +98,80 @@ class LLM:
 
     def chat(
         self,
-        messages: str | list[str],
+        messages: str | Conversation | list[str | Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to user messages, each wrapped in the model's chat template."""
-        messages = [messages] if isinstance(messages, str) else list(messages)
-        return self.generate([self.chat_prompt_ids(m) for m in messages], sampling_params)
+        """Generate the assistant's next turn of each conversation, rendered through the model's chat
+        template; returns one finished output per conversation, in order, whose ``prompt`` is the
+        rendered text.
 
-    def chat_prompt_ids(self, user_message: str) -> list[int]:
-        """Token ids of one user turn rendered through the chat template, ready for the assistant."""
+        ``messages``: one user message (a string); one conversation, a list of ``{"role", "content"}``
+        dicts (roles ``CHAT_ROLES``: a system prompt, then user and assistant turns); or a list of
+        either, one request each (vLLM's convention). Raises InvalidRequestError naming the
+        conversation and message that is malformed, or that the template refuses."""
+        conversations = _as_conversations(messages)
+        rendered = [self._render_chat(conversation, index) for index, conversation in enumerate(conversations)]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text
+        return outputs
+
+    def chat_prompt_ids(self, messages: str | Conversation) -> list[int]:
+        """Token ids of a user message (a string) or a conversation rendered through the chat template,
+        ready for the assistant's turn."""
+        conversations = _as_conversations(messages)
+        if len(conversations) != 1:
+            raise InvalidRequestError(f"expected one message or one conversation, got {len(conversations)}")
+        return self._render_chat(conversations[0], 0)[1]
+
+    def _render_chat(self, conversation: Conversation, index: int) -> tuple[str, list[int]]:
         if self.tokenizer is None:
             raise GraphrtError("this model has no tokenizer, so it has no chat template")
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}])
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        _check_conversation(conversation, index)
+        try:
+            text = self.tokenizer.apply_chat_template(conversation)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"conversation {index}: {exc}") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _as_conversations(messages) -> list[Conversation]:
+    """The conversations ``LLM.chat`` was given: a string is one user turn; a list of dicts one
+    conversation; otherwise a list of strings and conversations."""
+    if isinstance(messages, str):
+        return [[{"role": "user", "content": messages}]]
+    if not isinstance(messages, SequenceABC):
+        raise InvalidRequestError(f"chat takes a string, a conversation (a list of messages) or a list of them, "
+                                  f"got {type(messages).__name__}")
+    if messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    conversations = []
+    for index, item in enumerate(messages):
+        if isinstance(item, str):
+            conversations.append([{"role": "user", "content": item}])
+        elif isinstance(item, SequenceABC) and not isinstance(item, (str, bytes)):
+            conversations.append(list(item))
+        else:
+            raise InvalidRequestError(f"conversation {index}: expected a string or a list of messages, "
+                                      f"got {type(item).__name__}")
+    return conversations
+
+
+def _check_conversation(conversation: Conversation, index: int) -> None:
+    if not conversation:
+        raise InvalidRequestError(f"conversation {index} has no messages")
+    for turn, message in enumerate(conversation):
+        where = f"conversation {index}, message {turn}"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where}: expected a dict with 'role' and 'content', "
+                                      f"got {type(message).__name__}")
+        missing = [key for key in ("role", "content") if key not in message]
+        if missing:
+            raise InvalidRequestError(f"{where}: missing {' and '.join(repr(k) for k in missing)}")
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequestError(f"{where}: role {message['role']!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(message["content"], str):
+            raise InvalidRequestError(f"{where}: content must be a string, got {type(message['content']).__name__}")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

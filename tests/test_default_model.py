@@ -87,3 +87,45 @@ def test_cli_chat_answers(capsys):
     code = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--device", "cpu"])
     assert code == 0
     assert "Paris" in capsys.readouterr().out
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant. Answer in one word."},
+    {"role": "user", "content": "What colour is the sky on a clear day?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass?"},
+]
+
+
+def test_chat_takes_conversations_with_system_prompts_and_reports_their_text(llm):
+    """vLLM's convention: one conversation, or a list of conversations and plain user messages; each
+    output carries the rendered prompt, and generates what the same ids do through ``generate``."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    tokenizer = llm.tokenizer
+    outputs = llm.chat([CONVERSATION, "What is 2+2?"], params)
+    expected_texts = [tokenizer.apply_chat_template(CONVERSATION),
+                      tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])]
+    assert [out.prompt for out in outputs] == expected_texts
+    assert "terse assistant" in outputs[0].prompt and outputs[0].prompt.count("And grass?") == 1
+    expected_ids = [tokenizer.encode(text, add_special_tokens=False) for text in expected_texts]
+    assert [out.prompt_token_ids for out in outputs] == expected_ids
+    plain = llm.generate(expected_ids, params)
+    assert [out.token_ids for out in outputs] == [out.token_ids for out in plain]
+    [alone] = llm.chat(CONVERSATION, params)
+    assert alone.token_ids == outputs[0].token_ids and llm.chat_prompt_ids(CONVERSATION) == expected_ids[0]
+    assert llm.chat([], params) == []
+
+
+@pytest.mark.parametrize(("messages", "message"), [
+    ([[]], "conversation 0 has no messages"),
+    ([{"role": "user"}], "conversation 0, message 0: missing 'content'"),
+    ([{"content": "hi"}], "conversation 0, message 0: missing 'role'"),
+    ([{"role": "bot", "content": "hi"}], "role 'bot' is not one of system, user, assistant, tool"),
+    ([{"role": "user", "content": 5}], "conversation 0, message 0: content must be a string, got int"),
+    (["hi", [{"role": "user", "content": "x"}, "oops"]], "conversation 1, message 1: expected a dict"),
+    (["hi", 3], "conversation 1: expected a string or a list of messages, got int"),
+    (7, "chat takes a string, a conversation"),
+], ids=["empty", "no-content", "no-role", "role", "content-type", "not-a-dict", "not-a-conversation", "not-a-list"])
+def test_malformed_conversations_are_refused_by_name(llm, messages, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.chat(messages)
