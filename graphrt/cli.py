@@ -19,16 +19,22 @@ EXIT_USAGE_ERROR = 2
 
 
 def comma_separated_ints(text: str) -> list[int]:
-    """argparse type for values like ``1,2,3``."""
+    """argparse type for values like ``1,2,3`` (an empty item, as in ``1,,3``, is refused)."""
+    parts = text.split(",")
+    if any(not part.strip() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def comma_separated_positive_ints(text: str) -> list[int]:
     """argparse type for a non-empty list like ``1,8,64`` of integers >= 1 (batch sizes, contexts)."""
-    values = comma_separated_ints(text)
+    try:
+        values = comma_separated_ints(text)
+    except argparse.ArgumentTypeError:
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
@@ -142,6 +148,9 @@ def kernel_options(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphrt", description="CUDA-graph-optimized LLM decode runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    from graphrt import __version__
+
+    parser.add_argument("--version", action="version", version=f"graphrt {__version__}")
     # Subcommands accept -v too; SUPPRESS keeps them from resetting a -v given before the subcommand.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -197,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
+    gen.add_argument("--strict", action="store_true",
+                     help="refuse a prompt that leaves room for fewer than --max-tokens tokens (default: warn)")
     gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
                      help="with --json: each generated token's log probability, rank and the K most likely "
                      "tokens' (0 = the token's alone)")
@@ -319,7 +330,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales,
         speculative=args.speculative, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_mib << 20,
-        max_num_batched_tokens=args.max_num_batched_tokens, **kernel_options(args),
+        max_num_batched_tokens=args.max_num_batched_tokens, strict_max_tokens=args.strict, **kernel_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:

@@ -124,6 +124,10 @@ class EngineConfig:
     #: sequences leave the pipelined batch without a pause; a step that admits prompts or preempts waits
     #: first. None = on for CUDA.
     async_decode: bool | None = None
+    #: A request whose prompt leaves room (under ``max_model_len``) for fewer tokens than its
+    #: ``max_tokens`` is refused with InvalidRequestError; False (the default) runs it with a warning,
+    #: and it ends with ``finish_reason="length"`` when the room runs out.
+    strict_max_tokens: bool = False
     #: Seed for requests that give none (their seeds are drawn from it).
     seed: int = 0
     #: Extra keyword arguments for the model loader (e.g. random presets' init scale).
@@ -178,7 +182,7 @@ class EngineConfig:
         if not is_count(self.swap_space_bytes):
             raise ConfigError(f"swap_space_bytes must be an integer >= 0 (0 = recompute), "
                               f"got {self.swap_space_bytes!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "strict_max_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

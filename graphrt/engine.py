@@ -593,6 +593,13 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
                 "which leaves no room for a generated token"
             )
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens > room:
+            message = (f"prompt of {len(token_ids)} tokens leaves room for {room} of the {params.max_tokens} "
+                       f"tokens asked (max_model_len {self.max_model_len})")
+            if self.config.strict_max_tokens:
+                raise InvalidRequestError(message + "; lower max_tokens or raise max_model_len")
+            logger.warning("%s: the request stops there (finish_reason 'length')", message)
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         # The last token is sampled, never fed back: its K/V needs no slot.
         needed = self.block_manager.blocks_needed(longest - 1)

@@ -148,8 +148,17 @@ def _write_config(path, **overrides):
 
 def test_unknown_architecture(tmp_path):
     _write_config(tmp_path, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    with pytest.raises(ModelLoadError, match=r"architecture GPT2LMHeadModel is not supported \(supported: Llama"):
         LLM(str(tmp_path), device="cpu", progress=False)
+
+
+def test_an_other_familys_config_is_named_by_architecture_not_by_a_missing_field(tmp_path):
+    """A GPT-2 config.json has n_embd, not hidden_size: the error names the architecture."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 768,
+                                                      "n_layer": 12, "n_head": 12, "vocab_size": 50257}))
+    with pytest.raises(ModelLoadError, match="architecture GPT2LMHeadModel is not supported") as info:
+        LLM(str(tmp_path), device="cpu", progress=False)
+    assert "hidden_size" not in str(info.value)
 
 
 def test_unsupported_head_size(tmp_path):
@@ -257,6 +266,14 @@ def test_cli_bad_request_exits_nonzero_but_prints_the_good_ones(capsys):
     assert "prompt 2: token id 600 is outside the vocabulary" in captured.err
 
 
+@pytest.mark.parametrize("ids", ["1,,3", "1,2,", ",1", " , "])
+def test_cli_refuses_empty_items_in_token_id_lists(ids, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "random:tiny", "--prompt-ids", ids])
+    assert exit_info.value.code == 2
+    assert f"expected comma-separated integers, got {ids!r} (an empty item)" in capsys.readouterr().err
+
+
 def test_cli_invalid_sampling_parameter(capsys):
     assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
@@ -281,3 +298,35 @@ def test_an_attention_backend_that_cannot_run_is_refused_by_name(backend, messag
         pytest.skip("the Triton backend runs on CUDA")
     with pytest.raises(ConfigError, match=message):
         LLM(**TINY, attention_backend=backend)
+
+
+def test_a_prompt_that_leaves_too_little_room_warns_or_is_refused_when_strict(caplog, capsys):
+    """A 28-token prompt under max_model_len 32 has room for 4 of 8 tokens asked: a warning, then a run
+    that stops at the room; with strict_max_tokens (CLI --strict) the request is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(3, 31))
+    with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=32, progress=False) as llm:
+        with caplog.at_level("WARNING", logger="graphrt.engine"):
+            [out] = llm.generate([prompt], params)
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
+        assert "prompt of 28 tokens leaves room for 4 of the 8 tokens asked (max_model_len 32)" in caplog.text
+    with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=32, strict_max_tokens=True,
+             progress=False) as llm:
+        [refused] = llm.generate([prompt], params)
+        [fits] = llm.generate([prompt[:20]], params)
+    assert refused.finish_reason == "error" and "lower max_tokens or raise max_model_len" in refused.error
+    assert fits.finish_reason == "length" and len(fits.token_ids) == 8
+    ids = ",".join(map(str, prompt))
+    assert main(["generate", "--model", "random:tiny", "--device", "cpu", "--max-model-len", "32",
+                 "--prompt-ids", ids, "--max-tokens", "8", "--strict"]) != 0
+    assert "leaves room for 4 of the 8 tokens asked" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="strict_max_tokens must be True or False"):
+        LLM("random:tiny", device="cpu", strict_max_tokens="yes")
+
+
+def test_cli_version(capsys):
+    import graphrt
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"graphrt {graphrt.__version__}"

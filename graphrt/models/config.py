@@ -56,10 +56,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; graphrt implements "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ConfigError(f"architecture {self.architecture} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -107,6 +105,8 @@ class ModelConfig:
             model_type = config.get("model_type")
             arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM"}.get(model_type, str(model_type))
+        if arch not in SUPPORTED_ARCHITECTURES:  # before its fields: another family names them otherwise
+            raise ConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         hidden = _int_field(config, "hidden_size")
         heads = _int_field(config, "num_attention_heads")
         layers = _int_field(config, "num_hidden_layers")
