@@ -9,10 +9,16 @@ import logging
 import sys
 from pathlib import Path
 
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
 from graphrt.base.errors import GraphrtError
 from graphrt.config import KV_CACHE_DTYPES
 from graphrt.info import collect_info, format_info
 from graphrt.models.fp8 import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from graphrt.outputs import RequestOutput
 
 EXIT_REQUEST_ERROR = 1
 EXIT_USAGE_ERROR = 2
@@ -206,6 +212,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
+
+    chat = commands.add_parser(
+        "chat", parents=[common],
+        help="an interactive multi-turn chat through the model's chat template",
+        description="Each line you type is a user turn; the answer streams as it is generated and joins the "
+        "history, so later turns see the earlier ones. /reset clears the history, /exit (or end of input) "
+        "quits. With stdin not a terminal, each non-empty line is a turn. Without --model the default model.",
+    )
+    add_model_arguments(chat, default_model=None)
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt opening the conversation")
+    chat.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens an answer (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    chat.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed of every answer")
+    chat.add_argument("--max-model-len", type=positive_int, default=None,
+                      help="longest conversation in tokens (default: the model's)")
     gen.add_argument("--strict", action="store_true",
                      help="refuse a prompt that leaves room for fewer than --max-tokens tokens (default: warn)")
     gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
@@ -313,8 +336,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from graphrt.llm import LLM
     from graphrt.sampling.params import SamplingParams
 
+    if not args.prompt and not args.prompt_ids and not sys.stdin.isatty():
+        args.prompt = [line.rstrip("\n") for line in sys.stdin if line.strip()]  # one prompt a line
     if not args.prompt and not args.prompt_ids:
-        raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+        raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (or lines on stdin)")
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise GraphrtError("--logprobs and --prompt-logprobs are printed with --json; add --json")
     params = SamplingParams(
@@ -336,17 +361,132 @@ def _run_generate(args: argparse.Namespace) -> int:
         for text in args.prompt:
             prompts.append(llm.chat_prompt_ids(text) if args.chat else text)
         prompts.extend(args.prompt_ids)
-        outputs = llm.generate(prompts, params)
-    failed = 0
-    for index, out in enumerate(outputs):
-        if args.json:
-            print(json.dumps(out.to_dict()), flush=True)
-        elif out.error is None:
-            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)), flush=True)
-        if out.error is not None:
-            failed += 1
-            print(f"graphrt: error: prompt {index + 1}: {out.error}", file=sys.stderr)
-    return EXIT_REQUEST_ERROR if failed else 0
+        given = [*args.prompt, *args.prompt_ids]
+        printer = StreamPrinter(given, json_lines=args.json)
+        for index, out in llm.generate_stream(prompts, params):
+            if args.chat and out.finished:
+                out.prompt = given[index]  # the text given, not its rendering through the template
+            printer.update(index, out)
+    return EXIT_REQUEST_ERROR if printer.failed else 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from graphrt.llm import LLM
+    from graphrt.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    interactive = sys.stdin.isatty()
+    with LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1,
+             **kernel_options(args)) as llm:
+        if llm.tokenizer is None or llm.tokenizer.chat_template is None:
+            raise GraphrtError(f"model {args.model or 'default'!r} has no chat template to chat with")
+        if interactive:
+            print("graphrt chat: /reset clears the history, /exit quits", file=sys.stderr)
+        run_chat(llm, _turns(interactive), params, system=args.system)
+    return 0
+
+
+def _turns(interactive: bool) -> Iterator[str]:
+    """The user's lines: prompted on a terminal (until end of input or Ctrl-C), else stdin's lines."""
+    if not interactive:
+        yield from (line.rstrip("\n") for line in sys.stdin)
+        return
+    while True:
+        try:
+            yield input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+
+
+def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=None, err=None) -> list[dict]:
+    """The chat loop of ``graphrt chat``: each turn a user message, its answer streamed to ``out`` and kept
+    in the history; ``/reset`` clears the history (the system prompt stays), ``/exit`` ends. A turn the
+    model cannot answer (the conversation outgrew ``max_model_len``) is reported on ``err`` and left out of
+    the history. Returns the history."""
+    out, err = out or sys.stdout, err or sys.stderr
+    opening = [{"role": "system", "content": system}] if system else []
+    history = list(opening)
+    for line in turns:
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = list(opening)
+            continue
+        asked = history + [{"role": "user", "content": line}]
+        printer = StreamPrinter([line], out=out, err=err)
+        final = None
+        for index, output in llm.generate_stream([llm.chat_prompt_ids(asked)], params):
+            printer.update(index, output)
+            final = output
+        if final is not None and final.error is None:
+            history = asked + [{"role": "assistant", "content": final.text}]
+    return history
+
+
+class StreamPrinter:
+    """Prints ``generate``'s answers as they are generated, in the order of the prompts: the first
+    unfinished answer live, the ones after it held until it ends (they are generated meanwhile). Several
+    prompts get a label line each; ``json_lines``: one ``RequestOutput`` JSON object a request, once
+    finished, in order. Errors go to stderr."""
+
+    def __init__(self, prompts: list[str | list[int]], json_lines: bool = False, out=None, err=None) -> None:
+        self.prompts, self.json_lines = prompts, json_lines
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.latest: dict[int, RequestOutput] = {}
+        self.current = 0  # the prompt being shown
+        self.shown = 0  # characters (or token ids) of its answer printed
+        self.labelled = -1  # the last prompt whose label line was printed
+        self.failed = 0
+
+    def update(self, index: int, output: RequestOutput) -> None:
+        self.latest[index] = output
+        while self.current < len(self.prompts) and self.current in self.latest:
+            output = self.latest[self.current]
+            if not self._show(self.current, output):
+                return
+            del self.latest[self.current]
+            self.current, self.shown = self.current + 1, 0
+
+    def _show(self, index: int, output: RequestOutput) -> bool:
+        """Print what is new of ``output``; True once it is finished and fully printed."""
+        if self.json_lines:
+            if output.finished:
+                print(json.dumps(output.to_dict()), file=self.out, flush=True)
+                self._report_error(index, output)
+            return output.finished
+        if output.error is not None:
+            self._report_error(index, output)
+            return True
+        if len(self.prompts) > 1 and self.labelled != index:
+            self.labelled = index
+            print(f"--- {index + 1}/{len(self.prompts)}: {_preview(self.prompts[index])}", file=self.out, flush=True)
+        if output.text is not None:
+            text = output.text
+            # A decoded prefix can change when later ids complete a character: print from the end shown.
+            new = text[self.shown:] if len(text) >= self.shown else ""
+            self.shown = max(self.shown, len(text))
+        else:
+            new = " ".join(map(str, output.token_ids[self.shown:]))
+            new = (" " + new) if new and self.shown else new
+            self.shown = len(output.token_ids)
+        print(new, end="\n" if output.finished else "", file=self.out, flush=True)
+        return output.finished
+
+    def _report_error(self, index: int, output: RequestOutput) -> None:
+        if output.error is not None:
+            self.failed += 1
+            print(f"graphrt: error: prompt {index + 1}: {output.error}", file=self.err)
+
+
+def _preview(prompt: str | list[int], width: int = 60) -> str:
+    text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             from graphrt.profile import main as profile_main
 
             return profile_main(args)
+        if args.command == "chat":
+            return _run_chat(args)
         return _run_generate(args)
     except GraphrtError as exc:
         print(f"graphrt: error: {exc}", file=sys.stderr)

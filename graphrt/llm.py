@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
 from graphrt.base.errors import GraphrtError, InvalidRequestError
@@ -76,25 +77,45 @@ class LLM:
         """Generate for every prompt (a string, a list of token ids, or a list of either); returns one
         finished output per prompt, in order. An invalid request gets ``finish_reason="error"`` and an
         ``error`` message while the others still run."""
+        results: list[RequestOutput | None] = [None] * len(_as_prompt_list(prompts))
+        for index, output in self.generate_stream(prompts, sampling_params):
+            if output.finished:
+                results[index] = output
+        return results  # type: ignore[return-value]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """``generate`` as it runs: yields ``(index, output)`` each time prompt ``index``'s request gets
+        tokens, ``output`` holding everything so far (``token_ids``, ``text``); each request's last
+        output is finished (a rejected request's comes first, with ``finish_reason="error"``). Leaving
+        the loop early runs the remaining requests to their end, unseen, so the engine is left empty."""
         if self.engine.closed:
             raise GraphrtError("this LLM is closed")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        results: list[RequestOutput | None] = [None] * len(prompts)
         pending: dict[str, int] = {}
+        rejected: list[tuple[int, RequestOutput]] = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 pending[self.engine.add_request(prompt, p)] = index
             except GraphrtError as exc:
-                results[index] = self.engine.error_output(prompt, exc, request_id=f"rejected-{index}")
+                rejected.append((index, self.engine.error_output(prompt, exc, request_id=f"rejected-{index}")))
         unfinished = len(pending)
-        while unfinished:
-            for output in self.engine.step():
-                # Requests added through the engine directly may share these steps: not ours to return.
-                if output.finished and output.request_id in pending:
-                    results[pending[output.request_id]] = output
-                    unfinished -= 1
-        return results  # type: ignore[return-value]
+        try:
+            yield from rejected
+            while unfinished:
+                for output in self.engine.step():
+                    # Requests added through the engine directly may share these steps: not ours to return.
+                    if output.request_id in pending:
+                        unfinished -= output.finished
+                        yield pending[output.request_id], output
+        finally:
+            while unfinished and not self.engine.closed:
+                for output in self.engine.step():
+                    unfinished -= output.finished and output.request_id in pending
 
     def chat(
         self,
