@@ -208,7 +208,7 @@ SCENARIOS = {
 }
 EXPECTED_OUTPUT = {
     "steady_decode": "4 steps, median",
-    "mixed_prefill_decode": "6 steps, 3 with a prefill",
+    "mixed_prefill_decode": "6 steps, 3 with prompt tokens",
     "capture": "buckets [1, 2, 4, 8], no graphs (no_cuda)",
 }
 
