@@ -243,7 +243,7 @@ class DecodeGraphRunner:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 pool = torch.cuda.graph_pool_handle()
-                for key in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=not progress,
+                for key in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=None if progress else True,
                                 leave=False):
                     graph = torch.cuda.CUDAGraph()
                     with nvtx.capture(key.padded_batch), torch.cuda.graph(graph, pool=pool):

@@ -87,6 +87,7 @@ def test_the_default_model_answers_stdin_in_chat_and_json_lines_carry_their_prom
                         stdin="What is the capital of France?\n")
     assert answered.returncode == 0 and "Paris" in answered.stdout, answered.stderr
     assert not answered.stdout.startswith("---")  # one prompt: no label
+    assert "loading weights" not in answered.stderr  # no progress bar frames where stderr is not a terminal
     several = _graphrt("generate", "--chat", "--device", "cpu", "--max-tokens", "8", "--json",
                        stdin="What is the capital of France?\nName a colour.\n")
     lines = [json.loads(line) for line in several.stdout.splitlines()]

@@ -37,13 +37,14 @@ def open_checkpoint(spec: str | None, init_std: float = 0.02, seed: int = 0) -> 
 
 
 def load_weights_into(model: torch.nn.Module, checkpoint: Checkpoint, progress: bool = True) -> None:
-    """Fill ``model``'s parameters from the checkpoint, with a progress bar on stderr."""
+    """Fill ``model``'s parameters from the checkpoint, with a progress bar on stderr when it is a terminal
+    (redirected, a bar would leave its frames and a line of spaces in the file)."""
     if isinstance(checkpoint, RandomCheckpoint):
         checkpoint.initialize(model)
         return
     tensors = tqdm(
         checkpoint.tensors(), total=checkpoint.num_tensors(), desc="loading weights", unit="tensor",
-        disable=not progress, leave=False,
+        disable=None if progress else True, leave=False,  # None: off where stderr is not a terminal
     )
     model.load_weights(tensors)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from graphrt.base.errors import ConfigError, ModelLoadError
+from graphrt.loader.gguf_reader import GGUFFile, GGUFFormatError
 from graphrt.loader.tokenizer import Tokenizer
 from graphrt.models.config import ModelConfig, RopeScaling
 
@@ -55,7 +56,7 @@ class GGUFCheckpoint:
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
-    reader: gguf.GGUFReader
+    reader: GGUFFile
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 CPU tensor) per weight, shaped like HF's: matrices [out_features, in_features],
@@ -94,8 +95,8 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the gguf reader has no error type of its own; it fails in numpy/struct
+        reader = GGUFFile(path)
+    except GGUFFormatError as exc:
         raise ModelLoadError(f"{path} is truncated or corrupt: {exc}") from None
 
     arch = _field(reader, "general.architecture")
@@ -174,7 +175,7 @@ def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 # ---------------------------------------------------------------------- config
 
 
-def _llama_config(reader: gguf.GGUFReader, path: Path, tokenizer: Tokenizer, names: list[str]) -> ModelConfig:
+def _llama_config(reader: GGUFFile, path: Path, tokenizer: Tokenizer, names: list[str]) -> ModelConfig:
     def key(name: str, default: Any = ...) -> Any:
         value = _field(reader, f"llama.{name}")
         if value is None:
@@ -218,7 +219,7 @@ def _llama_config(reader: gguf.GGUFReader, path: Path, tokenizer: Tokenizer, nam
         raise ModelLoadError(f"{path}: {exc}") from None
 
 
-def _rope_scaling(reader: gguf.GGUFReader, path: Path, key: Any, number: Any, rope_theta: float,
+def _rope_scaling(reader: GGUFFile, path: Path, key: Any, number: Any, rope_theta: float,
                   head_dim: int) -> RopeScaling | None:
     kind = key("rope.scaling.type", "none")
     if kind != "none":
@@ -263,6 +264,6 @@ def llama3_rope_factors(scaling: RopeScaling, rope_theta: float, rotary_dim: int
     return np.array(out)
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(reader: GGUFFile, key: str) -> Any:
     field = reader.get_field(key)
     return None if field is None else field.contents()
