@@ -13,7 +13,9 @@ True; operators that do need the extension stay refused by their own availabilit
 from __future__ import annotations
 
 import functools
+import contextlib
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +100,27 @@ def _dispatch(fmha, device: torch.device) -> tuple[tuple[str, ...], str | None]:
     return accepting, chosen
 
 
+@contextlib.contextmanager
+def _quiet_xformers():
+    """xFormers' import logs a warning of several lines when its compiled extension does not load; the
+    status graphrt reports says the same in one line (``-v`` logs it), so its logger is held at errors."""
+    xformers_logger = logging.getLogger("xformers")
+    level = xformers_logger.level
+    xformers_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        xformers_logger.setLevel(level)
+
+
 def _detect() -> XformersStatus:
+    with _quiet_xformers():
+        return _detect_quietly()
+
+
+def _detect_quietly() -> XformersStatus:
     try:
         import xformers
         from xformers import _cpp_lib
