@@ -181,5 +181,8 @@ def _detect_quietly() -> XformersStatus:
 
 @functools.cache
 def xformers_status() -> XformersStatus:
-    """Detect xFormers' state once per process (re-enabling its PyTorch-backed operators if needed)."""
-    return _detect()
+    """Detect xFormers' state once per process (re-enabling its PyTorch-backed operators if needed); logged
+    once at INFO (``-v``), in place of the warning xFormers' own import prints."""
+    status = _detect()
+    logger.info("%s", status.describe())
+    return status

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 from pathlib import Path
@@ -337,7 +338,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from graphrt.sampling.params import SamplingParams
 
     if not args.prompt and not args.prompt_ids and not sys.stdin.isatty():
-        args.prompt = [line.rstrip("\n") for line in sys.stdin if line.strip()]  # one prompt a line
+        args.prompt = [line.rstrip("\r\n") for line in sys.stdin if line.strip()]  # one prompt a line
     if not args.prompt and not args.prompt_ids:
         raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (or lines on stdin)")
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
@@ -383,14 +384,14 @@ def _run_chat(args: argparse.Namespace) -> int:
             raise GraphrtError(f"model {args.model or 'default'!r} has no chat template to chat with")
         if interactive:
             print("graphrt chat: /reset clears the history, /exit quits", file=sys.stderr)
-        run_chat(llm, _turns(interactive), params, system=args.system)
+        run_chat(llm, _turns(interactive), params, system=args.system, interactive=interactive)
     return 0
 
 
 def _turns(interactive: bool) -> Iterator[str]:
     """The user's lines: prompted on a terminal (until end of input or Ctrl-C), else stdin's lines."""
     if not interactive:
-        yield from (line.rstrip("\n") for line in sys.stdin)
+        yield from (line.rstrip("\r\n") for line in sys.stdin)
         return
     while True:
         try:
@@ -400,11 +401,13 @@ def _turns(interactive: bool) -> Iterator[str]:
             return
 
 
-def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=None, err=None) -> list[dict]:
+def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=None, err=None,
+             interactive: bool = False) -> list[dict]:
     """The chat loop of ``graphrt chat``: each turn a user message, its answer streamed to ``out`` and kept
     in the history; ``/reset`` clears the history (the system prompt stays), ``/exit`` ends. A turn the
-    model cannot answer (the conversation outgrew ``max_model_len``) is reported on ``err`` and left out of
-    the history. Returns the history."""
+    model cannot answer (the conversation outgrew ``max_model_len``) is reported on ``err``, with the hint
+    to ``/reset``, and left out of the history. ``interactive``: Ctrl-C during an answer stops that answer
+    (left out of the history) and the chat goes on. Returns the history."""
     out, err = out or sys.stdout, err or sys.stderr
     opening = [{"role": "system", "content": system}] if system else []
     history = list(opening)
@@ -417,13 +420,25 @@ def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=N
         if text == "/reset":
             history = list(opening)
             continue
-        asked = history + [{"role": "user", "content": line}]
-        printer = StreamPrinter([line], out=out, err=err)
+        turn = sum(m["role"] == "user" for m in history) + 1
+        if not interactive:  # a transcript: each answer after the turn it answers
+            print(f"> {text}", file=out, flush=True)
+        asked = history + [{"role": "user", "content": text}]
+        printer = StreamPrinter([text], out=out, err=err, name=lambda _: f"turn {turn}")
         final = None
-        for index, output in llm.generate_stream([llm.chat_prompt_ids(asked)], params):
-            printer.update(index, output)
-            final = output
-        if final is not None and final.error is None:
+        try:
+            for index, output in llm.generate_stream([llm.chat_prompt_ids(asked)], params):
+                printer.update(index, output)
+                final = output
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print(file=out)
+            print("graphrt: answer stopped; it is left out of the history", file=err)
+            continue
+        if final is not None and final.error is not None:
+            print("graphrt: /reset starts a new conversation", file=err)
+        elif final is not None:
             history = asked + [{"role": "assistant", "content": final.text}]
     return history
 
@@ -434,8 +449,9 @@ class StreamPrinter:
     prompts get a label line each; ``json_lines``: one ``RequestOutput`` JSON object a request, once
     finished, in order. Errors go to stderr."""
 
-    def __init__(self, prompts: list[str | list[int]], json_lines: bool = False, out=None, err=None) -> None:
-        self.prompts, self.json_lines = prompts, json_lines
+    def __init__(self, prompts: list[str | list[int]], json_lines: bool = False, out=None, err=None,
+                 name=lambda index: f"prompt {index + 1}") -> None:
+        self.prompts, self.json_lines, self.name = prompts, json_lines, name
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.latest: dict[int, RequestOutput] = {}
         self.current = 0  # the prompt being shown
@@ -480,7 +496,7 @@ class StreamPrinter:
     def _report_error(self, index: int, output: RequestOutput) -> None:
         if output.error is not None:
             self.failed += 1
-            print(f"graphrt: error: prompt {index + 1}: {output.error}", file=self.err)
+            print(f"graphrt: error: {self.name(index)}: {output.error}", file=self.err)
 
 
 def _preview(prompt: str | list[int], width: int = 60) -> str:
@@ -514,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     except GraphrtError as exc:
         print(f"graphrt: error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail
+        return EXIT_REQUEST_ERROR
     except OSError as exc:  # a file that cannot be read or written (permissions, a full disk)
         print(f"graphrt: error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR

@@ -33,7 +33,7 @@ from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
 from graphrt.scheduler import Scheduler, SchedulerOutput
-from graphrt.sequence import Sequence
+from graphrt.sequence import FinishReason, Sequence, SequenceStatus
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
 from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
@@ -148,6 +148,10 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
+        #: Requests aborted while running: finished at their next output (``abort_request``).
+        self._aborting: set[str] = set()
+        #: Outputs of requests aborted while waiting, returned by the next step.
+        self._aborted_outputs: list[RequestOutput] = []
         #: Per running sequence: its output's text so far, and the copy of its prompt ids its outputs share.
         self._text_streams: dict[int, TextStream] = {}
         self._prompt_copies: dict[int, list[int]] = {}
@@ -299,9 +303,33 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request (a client that went away, a caller that stopped reading): a waiting one leaves
+        at once, a running one at its next step (a step already queued still runs it); either way a
+        later ``step`` returns its last output, finished with ``finish_reason="abort"``, and its blocks
+        are freed. Returns False for an id that is not an unfinished request."""
+        self._check_open()
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished or request_id in self._aborting:
+            return False
+        swapped = self.swap_space is not None and self.swap_space.holds(seq.seq_id)
+        waiting = self.scheduler.waiting
+        index = next((i for i, queued in enumerate(waiting) if queued is seq), None)
+        if index is not None and not swapped:
+            del waiting[index]
+            if self.block_manager.has(seq.seq_id):
+                self.block_manager.free(seq.seq_id)
+            seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
+            self._aborted_outputs.append(self._output_of(seq))
+            self._forget(seq)
+        else:  # running, or swapped out: finished where its next output is made
+            self._aborting.add(request_id)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished or a queued step's tokens are still unread (``step`` again)."""
-        return not self.closed and (self.scheduler.has_unfinished() or self._in_flight is not None)
+        return not self.closed and (self.scheduler.has_unfinished() or self._in_flight is not None
+                                    or bool(self._aborted_outputs))
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that got a token (finished ones included).
@@ -312,8 +340,10 @@ class LLMEngine:
         unfinished."""
         self._check_open()
         started, self._completed_step = time.perf_counter(), None
+        aborted, self._aborted_outputs = self._aborted_outputs, []
         with nvtx.range("step"):
             outputs = self._step_pipelined(self._in_flight) if self._in_flight is not None else self._step()
+        outputs = aborted + outputs
         if self.step_costs is not None and self._completed_step is not None:
             self.step_costs.observe(*self._completed_step, time.perf_counter() - started)
         return outputs
@@ -483,16 +513,24 @@ class LLMEngine:
         """The step's outputs; the finished sequences' blocks (and drafting state) released, their
         computed full blocks named for the prefix cache first."""
         self._cache_computed(seqs)
+        for seq in seqs:
+            if seq.request_id in self._aborting and not seq.is_finished:
+                seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
         try:
             outputs = [self._output_of(seq) for seq in seqs]
         finally:  # finished sequences are released even if an output could not be built
             for seq in self.scheduler.finish_step(seqs):
-                if self.drafter is not None:
-                    self.drafter.forget(seq)
-                self._text_streams.pop(seq.seq_id, None)
-                self._prompt_copies.pop(seq.seq_id, None)
-                del self._requests[seq.request_id]
+                self._forget(seq)
         return outputs
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop a finished request's engine state (its blocks are already free)."""
+        if self.drafter is not None:
+            self.drafter.forget(seq)
+        self._text_streams.pop(seq.seq_id, None)
+        self._prompt_copies.pop(seq.seq_id, None)
+        self._aborting.discard(seq.request_id)
+        del self._requests[seq.request_id]
 
     def _cache_computed(self, seqs: list[Sequence]) -> None:
         """With prefix caching: the full blocks whose K/V the step computed, named for later prompts."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import numbers
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
@@ -54,6 +55,8 @@ class LLM:
             block_size=block_size, enforce_eager=enforce_eager, **engine_options,
         )
         self.engine = LLMEngine(config, progress=progress)
+        #: Per request of an open stream: its outputs not yet read by that stream.
+        self._inboxes: dict[str, collections.deque[RequestOutput]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -90,32 +93,56 @@ class LLM:
     ) -> Iterator[tuple[int, RequestOutput]]:
         """``generate`` as it runs: yields ``(index, output)`` each time prompt ``index``'s request gets
         tokens, ``output`` holding everything so far (``token_ids``, ``text``); each request's last
-        output is finished (a rejected request's comes first, with ``finish_reason="error"``). Leaving
-        the loop early runs the remaining requests to their end, unseen, so the engine is left empty."""
+        output is finished (a rejected request's comes first, with ``finish_reason="error"``). Several
+        streams (and ``generate`` calls) may share one ``LLM``: whichever steps the engine passes each
+        output to the stream that owns it. Leaving the loop early (``break``, an exception, Ctrl-C)
+        aborts the stream's unfinished requests (``LLMEngine.abort_request``)."""
         if self.engine.closed:
             raise GraphrtError("this LLM is closed")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        pending: dict[str, int] = {}
+        return self._stream(prompts, params)
+
+    def _stream(self, prompts: list[Prompt], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
+        mine: dict[str, int] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                pending[self.engine.add_request(prompt, p)] = index
+                request_id = self.engine.add_request(prompt, p)
             except GraphrtError as exc:
                 rejected.append((index, self.engine.error_output(prompt, exc, request_id=f"rejected-{index}")))
-        unfinished = len(pending)
+                continue
+            mine[request_id] = index
+            self._inboxes[request_id] = collections.deque()
+        unfinished = set(mine)
         try:
             yield from rejected
             while unfinished:
-                for output in self.engine.step():
-                    # Requests added through the engine directly may share these steps: not ours to return.
-                    if output.request_id in pending:
-                        unfinished -= output.finished
-                        yield pending[output.request_id], output
+                if not any(self._inboxes[request_id] for request_id in unfinished):
+                    self._step_into_inboxes()
+                for request_id in list(unfinished):
+                    inbox = self._inboxes[request_id]
+                    while inbox:
+                        output = inbox.popleft()
+                        if output.finished:
+                            unfinished.discard(request_id)
+                        yield mine[request_id], output
         finally:
-            while unfinished and not self.engine.closed:
-                for output in self.engine.step():
-                    unfinished -= output.finished and output.request_id in pending
+            if unfinished and not self.engine.closed:
+                for request_id in unfinished:
+                    self.engine.abort_request(request_id)
+                while any(not (inbox := self._inboxes[r]) or not inbox[-1].finished for r in unfinished):
+                    self._step_into_inboxes()
+            for request_id in mine:
+                self._inboxes.pop(request_id, None)
+
+    def _step_into_inboxes(self) -> None:
+        """One engine step; each output goes to the inbox of the stream that owns its request (outputs of
+        requests added to the engine directly are not ours to keep)."""
+        for output in self.engine.step():
+            inbox = self._inboxes.get(output.request_id)
+            if inbox is not None:
+                inbox.append(output)
 
     def chat(
         self,

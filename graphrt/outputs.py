@@ -14,8 +14,8 @@ class RequestOutput:
 
     ``token_ids`` holds every token generated so far, a final stop token included; ``text`` is their
     decoding without special tokens (None for models without a tokenizer). ``finish_reason`` is None
-    while the request runs, then ``"stop"``, ``"length"`` or ``"error"`` (with ``error`` saying why;
-    such a request was never run).
+    while the request runs, then ``"stop"``, ``"length"``, ``"abort"`` (``LLMEngine.abort_request``) or
+    ``"error"`` (with ``error`` saying why; such a request was never run).
 
     ``logprobs`` (requests with ``SamplingParams.logprobs``): one ``TokenLogprobs`` per entry of
     ``token_ids``; ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one per prompt token,

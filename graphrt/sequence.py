@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS or stop token was generated (it is the last output token)
     LENGTH = "length"  # max_tokens reached, or the sequence reached max_model_len
     ERROR = "error"  # the request was rejected; see RequestOutput.error
+    ABORT = "abort"  # the caller aborted the request (LLMEngine.abort_request)
 
 
 @dataclass

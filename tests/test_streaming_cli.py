@@ -93,7 +93,8 @@ def test_the_default_model_answers_stdin_in_chat_and_json_lines_carry_their_prom
     lines = [json.loads(line) for line in several.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["What is the capital of France?", "Name a colour."]
     chatted = _graphrt("chat", "--device", "cpu", "--max-tokens", "24", stdin="What is the capital of France?\n/exit\n")
-    assert chatted.returncode == 0 and "Paris" in chatted.stdout and chatted.stdout.count("\n") == 1
+    assert chatted.returncode == 0 and "Paris" in chatted.stdout
+    assert chatted.stdout.startswith("> What is the capital of France?\n") and chatted.stdout.count("\n") == 2
 
 
 @needs_default_model
@@ -113,9 +114,11 @@ def test_chat_keeps_the_history_streams_each_answer_and_resets():
         second = first + [{"role": "assistant", "content": answer1.text}, {"role": "user", "content": "And of Italy?"}]
         [answer2] = llm.chat(second, params)
         [answer3] = llm.chat(history[:2], params)
-        assert out.getvalue() == f"{answer1.text}\n{answer2.text}\n{answer3.text}\n" and err.getvalue() == ""
+        transcript = (f"> What is the capital of France?\n{answer1.text}\n> And of Italy?\n{answer2.text}\n"
+                      f"> Hi\n{answer3.text}\n")
+        assert out.getvalue() == transcript and err.getvalue() == ""
         assert history[2]["content"] == answer3.text
         # A turn the cache cannot hold is reported and left out of the history.
         long_turn = "word " * 400
         history = run_chat(llm, [long_turn], params, out=out, err=err)
-        assert history == [] and "prompt 1:" in err.getvalue()
+        assert history == [] and "turn 1:" in err.getvalue() and "/reset starts a new conversation" in err.getvalue()

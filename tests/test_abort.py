@@ -1,0 +1,61 @@
+"""Aborting requests (``LLMEngine.abort_request``) and streams that stop early or share one ``LLM``:
+an aborted request ends with ``finish_reason="abort"`` and frees its blocks, waiting or running,
+synchronous or pipelined; the others' tokens are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _llm(**options) -> LLM:
+    return LLM("random:tiny", device="cpu", dtype="float32", max_model_len=64, progress=False, **options)
+
+
+def _run(engine) -> dict[str, object]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+@pytest.mark.parametrize("async_decode", [False, True], ids=["synchronous", "pipelined"])
+def test_aborted_requests_end_with_abort_and_free_their_blocks_and_the_others_are_unchanged(async_decode):
+    with _llm(max_num_seqs=2, async_decode=async_decode) as llm:
+        engine = llm.engine
+        [alone] = llm.generate([[5, 6, 7]], GREEDY)
+        free = engine.block_manager.num_free_blocks
+        for rid, prompt in (("keep", [5, 6, 7]), ("running", [9, 10]), ("waiting", [11, 12, 13])):
+            engine.add_request(prompt, GREEDY, request_id=rid)
+        for _ in range(3):
+            engine.step()
+        assert engine.abort_request("waiting") and engine.abort_request("running")
+        assert not engine.abort_request("running") and not engine.abort_request("no such request")
+        finished = _run(engine)
+        assert finished["waiting"].finish_reason == "abort" and finished["waiting"].token_ids == []
+        assert finished["running"].finish_reason == "abort" and 0 < len(finished["running"].token_ids) < 12
+        assert finished["keep"].token_ids == alone.token_ids and finished["keep"].finish_reason == "length"
+        assert engine.block_manager.num_free_blocks == free and not engine.abort_request("keep")
+
+
+def test_a_stream_left_early_aborts_its_requests_and_streams_sharing_an_llm_each_get_theirs():
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with _llm(max_num_seqs=4) as llm:
+        expected = [out.token_ids for out in llm.generate([[1, 2, 3], [7, 8, 9]], long)]
+        for index, out in llm.generate_stream([[1, 2, 3], [4, 5]], long):
+            break
+        assert not llm.engine.has_unfinished_requests()
+        # Two streams read in turn, and a generate call between them: each sees all of its own tokens.
+        first, second = llm.generate_stream([[1, 2, 3]], long), llm.generate_stream([[7, 8, 9]], long)
+        seen = {0: next(first)[1], 1: next(second)[1]}
+        [between] = llm.generate([[7, 8, 9]], long)
+        for index, stream in enumerate((first, second)):
+            for _, out in stream:
+                seen[index] = out
+        assert [seen[0].token_ids, seen[1].token_ids] == expected and between.token_ids == expected[1]
+        assert not llm.engine.has_unfinished_requests()
