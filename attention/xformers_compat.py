@@ -12,8 +12,8 @@ True; operators that do need the extension stay refused by their own availabilit
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import logging
 import warnings
 from dataclasses import dataclass

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from graphrt.attention.graph_state import NULL_BLOCK, PAD_SLOT
 from graphrt.attention.metadata import AttentionMetadata
 from graphrt.base import nvtx
 from graphrt.base.staging import PackedStaging
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 PREFILL_GRAPH_SEQS = 16
 #: The smallest bucket of tokens; buckets double from here up to the largest.
 MIN_PREFILL_BUCKET = 16
-PAD_SLOT = -1
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -255,7 +255,7 @@ class PrefillGraphRunner:
         tables = host["block_tables"]
         for row, table in enumerate(block_tables):
             tables[row, :len(table)] = table
-            tables[row, len(table):] = 0
+            tables[row, len(table):] = NULL_BLOCK
         # Rows of unused sequences are never read (no tokens): they keep what they held.
         packed.upload(packed.bytes_through("block_tables", max(seqs, 1)))
 

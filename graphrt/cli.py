@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
+import os
 import sys
-from pathlib import Path
-
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphrt.base.errors import GraphrtError
@@ -152,6 +151,14 @@ def kernel_options(args: argparse.Namespace) -> dict:
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--temperature, --top-k, --top-p and --seed, shared by every request (``what``) of the command."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help=f"sampling seed of every {what}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphrt", description="CUDA-graph-optimized LLM decode runtime.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
@@ -177,10 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt given as token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    add_sampling_arguments(gen, "request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--calibrate-kv-scales", action="store_true",
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
@@ -213,25 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
-
-    chat = commands.add_parser(
-        "chat", parents=[common],
-        help="an interactive multi-turn chat through the model's chat template",
-        description="Each line you type is a user turn; the answer streams as it is generated and joins the "
-        "history, so later turns see the earlier ones. /reset clears the history, /exit (or end of input) "
-        "quits. With stdin not a terminal, each non-empty line is a turn. Without --model the default model.",
-    )
-    add_model_arguments(chat, default_model=None)
-    chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt opening the conversation")
-    chat.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens an answer (default 256)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    chat.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    chat.add_argument("--seed", type=int, default=None, help="sampling seed of every answer")
-    chat.add_argument("--max-model-len", type=positive_int, default=None,
-                      help="longest conversation in tokens (default: the model's)")
     gen.add_argument("--strict", action="store_true",
                      help="refuse a prompt that leaves room for fewer than --max-tokens tokens (default: warn)")
+
     gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
                      help="with --json: each generated token's log probability, rank and the K most likely "
                      "tokens' (0 = the token's alone)")
@@ -243,6 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
     gen.add_argument("--nvtx-layers", action="store_true",
                      help="NVTX ranges per decoder layer too; implies --nvtx (also GRAPHRT_NVTX_LAYERS=1)")
+
+    chat = commands.add_parser(
+        "chat", parents=[common],
+        help="an interactive multi-turn chat through the model's chat template",
+        description="Each line you type is a user turn; the answer streams as it is generated and joins the "
+        "history, so later turns see the earlier ones. /reset clears the history, /exit (or end of input) "
+        "quits. With stdin not a terminal, each non-empty line is a turn. Without --model the default model.",
+    )
+    add_model_arguments(chat, default_model=None)
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt opening the conversation")
+    chat.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens an answer (default 256)")
+    add_sampling_arguments(chat, "answer")
+    chat.add_argument("--max-model-len", type=positive_int, default=None,
+                      help="longest conversation in tokens (default: the model's)")
 
     commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run")
 

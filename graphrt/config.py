@@ -172,8 +172,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) \
-                or self.prefill_graph_tokens < 0:
+        if not is_count(self.prefill_graph_tokens):
             raise ConfigError(f"prefill_graph_tokens must be an integer >= 0, got {self.prefill_graph_tokens!r}")
         if self.max_num_batched_tokens is not None and (
                 isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)

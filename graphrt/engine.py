@@ -33,7 +33,7 @@ from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
 from graphrt.scheduler import Scheduler, SchedulerOutput
-from graphrt.sequence import FinishReason, Sequence, SequenceStatus
+from graphrt.sequence import FinishReason, Sequence
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
 from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
@@ -319,7 +319,7 @@ class LLMEngine:
             del waiting[index]
             if self.block_manager.has(seq.seq_id):
                 self.block_manager.free(seq.seq_id)
-            seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
+            seq.finish(FinishReason.ABORT)
             self._aborted_outputs.append(self._output_of(seq))
             self._forget(seq)
         else:  # running, or swapped out: finished where its next output is made
@@ -515,7 +515,7 @@ class LLMEngine:
         self._cache_computed(seqs)
         for seq in seqs:
             if seq.request_id in self._aborting and not seq.is_finished:
-                seq.finish_reason, seq.status = FinishReason.ABORT, SequenceStatus.FINISHED
+                seq.finish(FinishReason.ABORT)
         try:
             outputs = [self._output_of(seq) for seq in seqs]
         finally:  # finished sequences are released even if an output could not be built

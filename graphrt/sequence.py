@@ -92,8 +92,11 @@ class Sequence:
             self.output_logprobs.append(logprobs)
         stop_ids = self.params.stop_token_ids
         if token_id in stop_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
-            self.finish_reason = FinishReason.STOP
+            self.finish(FinishReason.STOP)
         elif self.at_length_limit(max_model_len):
-            self.finish_reason = FinishReason.LENGTH
-        if self.finish_reason is not None:
-            self.status = SequenceStatus.FINISHED
+            self.finish(FinishReason.LENGTH)
+
+    def finish(self, reason: FinishReason) -> None:
+        """End the sequence for ``reason`` (a stop condition, or the caller's abort)."""
+        self.finish_reason = reason
+        self.status = SequenceStatus.FINISHED
