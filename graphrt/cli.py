@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     add_sampling_arguments(gen, "request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="a stop string (repeatable): an answer ends before the first one it contains")
     gen.add_argument("--calibrate-kv-scales", action="store_true",
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
                      "none) from the largest key and value of the first prefill, which then runs twice; the "
@@ -347,7 +349,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise GraphrtError("--logprobs and --prompt-logprobs are printed with --json; add --json")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+        seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
     )
     asked = [k for k in (args.logprobs, args.prompt_logprobs) if k is not None]
     with LLM(

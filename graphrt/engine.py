@@ -32,6 +32,7 @@ from graphrt.models.llama import LlamaForCausalLM
 from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
+from graphrt.sampling.stop_strings import StopStrings
 from graphrt.scheduler import Scheduler, SchedulerOutput
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.speculative.draft_model import DraftModel
@@ -155,6 +156,8 @@ class LLMEngine:
         #: Per running sequence: its output's text so far, and the copy of its prompt ids its outputs share.
         self._text_streams: dict[int, TextStream] = {}
         self._prompt_copies: dict[int, list[int]] = {}
+        #: Per running sequence with stop strings (``SamplingParams.stop``): their watch over its text.
+        self._stop_strings: dict[int, StopStrings] = {}
         self.closed = False
         logger.info(
             "graphrt engine: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, "
@@ -300,6 +303,8 @@ class LLMEngine:
             eos_token_ids=self._eos_token_ids(), prompt=text,
         )
         self._requests[request_id] = seq
+        if params.stop:
+            self._stop_strings[seq_id] = StopStrings(params.stop)
         self.scheduler.add(seq)
         return request_id
 
@@ -514,8 +519,12 @@ class LLMEngine:
         computed full blocks named for the prefix cache first."""
         self._cache_computed(seqs)
         for seq in seqs:
-            if seq.request_id in self._aborting and not seq.is_finished:
+            if seq.is_finished:
+                continue
+            if seq.request_id in self._aborting:
                 seq.finish(FinishReason.ABORT)
+            elif seq.seq_id in self._stop_strings and self._stop_strings[seq.seq_id].found(self._running_text(seq)):
+                seq.finish(FinishReason.STOP)
         try:
             outputs = [self._output_of(seq) for seq in seqs]
         finally:  # finished sequences are released even if an output could not be built
@@ -529,6 +538,7 @@ class LLMEngine:
             self.drafter.forget(seq)
         self._text_streams.pop(seq.seq_id, None)
         self._prompt_copies.pop(seq.seq_id, None)
+        self._stop_strings.pop(seq.seq_id, None)
         self._aborting.discard(seq.request_id)
         del self._requests[seq.request_id]
 
@@ -651,6 +661,9 @@ class LLMEngine:
                 f"prompt_logprobs scores the whole prompt in one step, but the prompt has {len(token_ids)} tokens "
                 f"and a step runs at most max_num_batched_tokens = {self.max_num_batched_tokens}; raise it"
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"stop strings need a tokenizer, and model {self.config.model!r} has none: "
+                                      "use stop_token_ids")
         too_big = [t for t in params.stop_token_ids if t >= vocab]
         if too_big:
             raise InvalidRequestError(f"stop token id {too_big[0]} is outside the vocabulary [0, {vocab})")
@@ -672,15 +685,15 @@ class LLMEngine:
     def _output_of(self, seq: Sequence) -> RequestOutput:
         """The request's output now. Its text: while it runs, decoded a step's new tokens at a time
         (``Tokenizer.text_stream``: a character whose bytes span tokens still to come waits for them);
-        once finished, the whole output's decoding. Its prompt ids: one copy for all its outputs."""
+        once finished, the whole output's decoding; with stop strings, cut before the first (finished) or
+        less an ending that may begin one (running). Its prompt ids: one copy for all its outputs."""
         text = None
-        if self.tokenizer is not None and seq.is_finished:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        elif self.tokenizer is not None:
-            stream = self._text_streams.get(seq.seq_id)
-            if stream is None:
-                stream = self._text_streams[seq.seq_id] = self.tokenizer.text_stream()
-            text = stream.text_of(seq.output_token_ids)
+        if self.tokenizer is not None:
+            text = (self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if seq.is_finished
+                    else self._running_text(seq))
+            stop_strings = self._stop_strings.get(seq.seq_id)
+            if stop_strings is not None:
+                text = stop_strings.cut(text) if seq.is_finished else stop_strings.safe_prefix(text)
         prompt_ids = self._prompt_copies.get(seq.seq_id)
         if prompt_ids is None:
             prompt_ids = self._prompt_copies[seq.seq_id] = list(seq.prompt_token_ids)
@@ -697,6 +710,13 @@ class LLMEngine:
             speculative=None if self.drafter is None else dataclasses.replace(
                 self.drafter.request_stats.get(seq.seq_id, SpeculativeStats())),
         )
+
+    def _running_text(self, seq: Sequence) -> str:
+        """A running sequence's output text so far, decoded a step's new tokens at a time."""
+        stream = self._text_streams.get(seq.seq_id)
+        if stream is None:
+            stream = self._text_streams[seq.seq_id] = self.tokenizer.text_stream()
+        return stream.text_of(seq.output_token_ids)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

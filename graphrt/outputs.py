@@ -14,7 +14,7 @@ class RequestOutput:
 
     ``token_ids`` holds every token generated so far, a final stop token included; ``text`` is their
     decoding without special tokens (None for models without a tokenizer). ``finish_reason`` is None
-    while the request runs, then ``"stop"``, ``"length"``, ``"abort"`` (``LLMEngine.abort_request``) or
+    while the request runs, then ``"stop"`` (a stop token or stop string), ``"length"``, ``"abort"`` (``LLMEngine.abort_request``) or
     ``"error"`` (with ``error`` saying why; such a request was never run).
 
     ``logprobs`` (requests with ``SamplingParams.logprobs``): one ``TokenLogprobs`` per entry of

@@ -49,6 +49,11 @@ class SamplingParams:
             an int in [0, 2**63). ``None`` lets the engine pick one when the request arrives.
         stop_token_ids: generation stops after any of these token ids is produced (ids >= 0);
             the stop token is part of the output.
+        stop: strings that end generation when the output's text contains one (a string alone is one
+            stop string). The output's ``text`` ends where the first of them begins (the stop string
+            is left out, as in OpenAI's API; ``token_ids`` keep every token generated); while the
+            request runs, text that may be the start of a stop string is held back
+            (``graphrt.sampling.stop_strings``). Needs a model with a tokenizer.
         ignore_eos: keep generating past the model's end-of-sequence token(s) until
             ``max_tokens`` or a stop token.
         logprobs: None (off), or k >= 0: each generated token comes with its float32 log
@@ -69,6 +74,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -105,6 +111,12 @@ class SamplingParams:
                            f"must be a list of integers >= 0; {tok!r} is not")
         # Copy so that the caller mutating its list later cannot change a validated request.
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", self.stop, "must be a string or a list of non-empty strings")
+        self.stop = list(self.stop)
 
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "must be True or False")
