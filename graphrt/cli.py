@@ -1,5 +1,5 @@
-"""The ``graphrt`` command line: ``generate`` text, ``bench`` and ``profile`` decode steps, ``bench-serving`` an engine
-under load, report ``info``."""
+"""The ``graphrt`` command line: ``generate`` text, ``chat``, ``serve`` the OpenAI API, ``bench`` and ``profile``
+decode steps, ``bench-serving`` an engine under load, report ``info``."""
 
 from __future__ import annotations
 
@@ -151,6 +151,52 @@ def kernel_options(args: argparse.Namespace) -> dict:
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's options ``generate`` and ``serve`` share (``engine_options(args)`` passes them on)."""
+    parser.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
+                        help="speculative decoding: each decoding sequence drafts up to K tokens, by prompt lookup "
+                        "(ngram: copied from its own prompt and output) or with a draft model that has the target's "
+                        "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
+                        "without it (token for token in float32; in 16-bit dtypes a near-tie may resolve "
+                        "differently); steps with drafts run synchronously")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="split prompts into chunks that fit each step's token budget (--max-num-batched-tokens, "
+                        "shared with the step's decodes), continued over the following steps")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="share the KV blocks of prompts' common leading tokens: a later prompt that starts with "
+                        "tokens computed before takes their blocks instead of computing them")
+    parser.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
+                        help="host memory for swap preemption: a preempted decoding sequence whose KV blocks fit is "
+                        "swapped out and back in instead of recomputed (default 0: recompute)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                        help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
+                        "prompt tokens of one prefill, at least --max-model-len)")
+    parser.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    parser.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
+                        help="read each decode step's tokens before queueing the next (default on CUDA: the next "
+                        "step is queued first, so the host's work overlaps the GPU's)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    parser.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
+    parser.add_argument("--nvtx-layers", action="store_true",
+                        help="NVTX ranges per decoder layer too; implies --nvtx (also GRAPHRT_NVTX_LAYERS=1)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields ``add_engine_arguments``' and ``add_model_arguments``' options set."""
+    return {
+        "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len, "block_size": args.block_size, "enforce_eager": args.enforce_eager,
+        "num_kv_blocks": args.num_kv_blocks, "nvtx": args.nvtx, "nvtx_layers": args.nvtx_layers,
+        "async_decode": args.async_decode, "speculative": args.speculative,
+        "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prefix_caching": args.enable_prefix_caching,
+        "swap_space_bytes": args.swap_space_mib << 20, "max_num_batched_tokens": args.max_num_batched_tokens,
+        **kernel_options(args),
+    }
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """--temperature, --top-k, --top-p and --seed, shared by every request (``what``) of the command."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -192,32 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
                      "none) from the largest key and value of the first prefill, which then runs twice; the "
                      "decode graphs are captured after it")
-    gen.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
-                     help="speculative decoding: each decoding sequence drafts up to K tokens, by prompt lookup "
-                     "(ngram: copied from its own prompt and output) or with a draft model that has the target's "
-                     "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
-                     "without it (token for token in float32; in 16-bit dtypes a near-tie may resolve "
-                     "differently); steps with drafts run synchronously")
-    gen.add_argument("--enable-chunked-prefill", action="store_true",
-                     help="split prompts into chunks that fit each step's token budget (--max-num-batched-tokens, "
-                     "shared with the step's decodes), continued over the following steps")
-    gen.add_argument("--enable-prefix-caching", action="store_true",
-                     help="share the KV blocks of prompts' common leading tokens: a later prompt that starts with "
-                     "tokens computed before takes their blocks instead of computing them")
-    gen.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
-                     help="host memory for swap preemption: a preempted decoding sequence whose KV blocks fit is "
-                     "swapped out and back in instead of recomputed (default 0: recompute)")
-    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                     help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
-                     "prompt tokens of one prefill, at least --max-model-len)")
-    gen.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
-    gen.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
-                     help="read each decode step's tokens before queueing the next (default on CUDA: the next "
-                     "step is queued first, so the host's work overlaps the GPU's)")
-    gen.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
-    gen.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    gen.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    add_engine_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object per request per line")
     gen.add_argument("--strict", action="store_true",
                      help="refuse a prompt that leaves room for fewer than --max-tokens tokens (default: warn)")
@@ -230,9 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--check-graphs", type=non_negative_int, default=None, metavar="N",
                      help="check every decode graph replay's input addresses and re-run every N-th replayed "
                      "step eagerly to compare (a debugging aid; also GRAPHRT_CHECK_GRAPHS=N; 0 = off)")
-    gen.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
-    gen.add_argument("--nvtx-layers", action="store_true",
-                     help="NVTX ranges per decoder layer too; implies --nvtx (also GRAPHRT_NVTX_LAYERS=1)")
 
     chat = commands.add_parser(
         "chat", parents=[common],
@@ -247,6 +265,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(chat, "answer")
     chat.add_argument("--max-model-len", type=positive_int, default=None,
                       help="longest conversation in tokens (default: the model's)")
+
+    serve = commands.add_parser(
+        "serve", parents=[common], help="an OpenAI-compatible HTTP server (completions, chat, streaming)",
+        description="Serves one model over the OpenAI API: POST /v1/completions and /v1/chat/completions "
+        "(stream: true sends server-sent events), GET /v1/models and /health. Concurrent requests batch "
+        "together in the engine. Listens on 127.0.0.1 unless --host says otherwise; with an API key (--api-key "
+        "or GRAPHRT_API_KEY) every /v1 request needs 'Authorization: Bearer KEY'. Without --model the default "
+        "model.",
+    )
+    add_model_arguments(serve, default_model=None)
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                       "only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", default=os.environ.get("GRAPHRT_API_KEY"),
+                       help="the key clients must send (default: GRAPHRT_API_KEY; none when unset)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model's name in the API (default: the model file or folder's name)")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=2 << 20, metavar="N",
+                       help="largest request body (default 2 MiB; 413 beyond)")
+    serve.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
+                       help="longest prompt (default: what --max-model-len leaves room for)")
+    serve.add_argument("--max-tokens-limit", type=positive_int, default=None, metavar="N",
+                       help="most tokens one answer may ask for (default: --max-model-len)")
+    serve.add_argument("--max-concurrent-requests", type=positive_int, default=None, metavar="N",
+                       help="answers (choices) in the engine at once (default: --max-num-seqs)")
+    serve.add_argument("--max-queued-requests", type=non_negative_int, default=None, metavar="N",
+                       help="requests waiting for room beyond those (default: as many; 429 after them)")
+    serve.add_argument("--timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                       help="longest a client may take to send its request or to read a piece of its answer, and "
+                       "(a third of it) to send the next request's headers (default 30)")
 
     commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run")
 
@@ -353,14 +402,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     asked = [k for k in (args.logprobs, args.prompt_logprobs) if k is not None]
     with LLM(
-        args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-        num_kv_blocks=args.num_kv_blocks, nvtx=args.nvtx, nvtx_layers=args.nvtx_layers,
-        async_decode=args.async_decode, max_logprobs=max([EngineConfig.max_logprobs, *asked]),
-        check_graphs=args.check_graphs, calibrate_kv_scales=args.calibrate_kv_scales,
-        speculative=args.speculative, enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_mib << 20,
-        max_num_batched_tokens=args.max_num_batched_tokens, strict_max_tokens=args.strict, **kernel_options(args),
+        args.model, max_logprobs=max([EngineConfig.max_logprobs, *asked]), check_graphs=args.check_graphs,
+        calibrate_kv_scales=args.calibrate_kv_scales, strict_max_tokens=args.strict, **engine_options(args),
     ) as llm:
         prompts: list[str | list[int]] = []
         for text in args.prompt:
@@ -389,6 +432,32 @@ def _run_chat(args: argparse.Namespace) -> int:
         if interactive:
             print("graphrt chat: /reset clears the history, /exit quits", file=sys.stderr)
         run_chat(llm, _turns(interactive), params, system=args.system, interactive=interactive)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from graphrt.llm import LLM
+    from graphrt.serve.limits import ServerLimits
+    from graphrt.serve.server import Server
+
+    concurrent = args.max_concurrent_requests or args.max_num_seqs
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
+        max_concurrent=concurrent,
+        max_queued=concurrent if args.max_queued_requests is None else args.max_queued_requests,
+        header_timeout=args.timeout / 3, body_timeout=args.timeout, send_timeout=args.timeout,
+        api_key=args.api_key or None,
+    )
+    with LLM(args.model, **engine_options(args)) as llm:
+        server = Server(llm, args.host, args.port, limits, model_name=args.served_model_name)
+        server.start()
+        try:
+            print(f"graphrt serve: {server.handlers.model_name} on {server.url}/v1 "
+                  f"({'API key required' if limits.api_key else 'no API key'}); Ctrl-C stops", file=sys.stderr,
+                  flush=True)
+            server.wait()
+        finally:
+            server.stop()
     return 0
 
 
@@ -530,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
             return profile_main(args)
         if args.command == "chat":
             return _run_chat(args)
+        if args.command == "serve":
+            return _run_serve(args)
         return _run_generate(args)
     except GraphrtError as exc:
         print(f"graphrt: error: {exc}", file=sys.stderr)

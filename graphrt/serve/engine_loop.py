@@ -1,0 +1,172 @@
+"""The engine's step loop on a thread of its own, fed by the server's asyncio handlers.
+
+The engine is not thread-safe: only the loop's thread touches it. Handlers hand it commands (add a
+request, abort one, stop) through a queue; it runs them between steps, steps while any request is
+unfinished (so that concurrent requests batch together), and sleeps on the queue otherwise. Each
+request's outputs go back to its handler's event loop, where only the newest is kept: a client that
+reads slowly gets the text that grew meanwhile in one piece, and memory does not grow with its lag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from graphrt.base.errors import GraphrtError
+from graphrt.engine import LLMEngine
+from graphrt.outputs import RequestOutput
+from graphrt.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStopped(GraphrtError):
+    """The loop is not running (it was stopped, or a step failed): no request can be served."""
+
+
+class _Mailbox:
+    """A request's newest output, on the event loop of the handler that reads it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._ready = asyncio.Event()
+        self._latest: RequestOutput | BaseException | None = None
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """From the engine's thread: replace the newest output (or fail the request)."""
+        try:
+            self._loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the handler's event loop is closed: nobody is left to read it
+            pass
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._latest, BaseException) or (isinstance(self._latest, RequestOutput)
+                                                        and self._latest.finished):
+            return  # a request's end is never overwritten
+        self._latest = item
+        self._ready.set()
+
+    async def take(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EngineLoop:
+    """Runs ``engine``'s steps on a daemon thread (``start`` / ``stop``); ``generate`` streams a request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._mailboxes: dict[str, _Mailbox] = {}  # the loop thread's alone
+        self._thread = threading.Thread(target=self._run, name="graphrt-engine", daemon=True)
+        #: Why the loop ended, when a step raised (the server then answers 503).
+        self.failure: BaseException | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop after its current step; unfinished requests fail with ``EngineStopped``."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as it runs (each the whole output so far; the last one finished).
+        Leaving the iteration early (the client went away) aborts the request. Raises the engine's
+        InvalidRequestError for a request it refuses, ``EngineStopped`` when the loop is not running."""
+        if not self.running:
+            raise EngineStopped(self._why_stopped())
+        request_id = f"srv-{uuid.uuid4().hex}"  # not guessable: no client can address another's request
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        self._commands.put(("add", request_id, prompt_ids, params, mailbox))
+        finished = False
+        try:
+            while not finished:
+                output = await mailbox.take()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def _why_stopped(self) -> str:
+        if self.failure is not None:
+            return f"the engine failed: {type(self.failure).__name__}: {self.failure}"
+        return "the engine is stopped"
+
+    # -- the loop's thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_commands(wait=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # a failed step: the engine's state cannot be trusted after it
+            logger.exception("graphrt serve: the engine's step failed; requests are refused from now on")
+            self.failure = exc
+        finally:
+            self._stopped.set()
+            reason = EngineStopped(self._why_stopped())
+            for mailbox in self._mailboxes.values():
+                mailbox.post(reason)
+            self._mailboxes.clear()
+            self._refuse_queued(reason)
+
+    def _take_commands(self, wait: bool) -> bool:
+        """Run the queued commands (waiting for one first if ``wait``); False once told to stop."""
+        try:
+            command = self._commands.get() if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: _Mailbox) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id)
+        except GraphrtError as exc:
+            mailbox.post(exc)
+            return
+        self._mailboxes[request_id] = mailbox
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            mailbox = self._mailboxes.get(output.request_id)
+            if mailbox is None:
+                continue
+            mailbox.post(output)
+            if output.finished:
+                del self._mailboxes[output.request_id]
+
+    def _refuse_queued(self, reason: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[4].post(reason)

@@ -1,0 +1,233 @@
+"""The OpenAI API's completions and chat completions over an ``EngineLoop``: requests turned into engine
+requests (one per choice), their outputs into OpenAI's response objects, whole or as stream chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from graphrt.base.errors import InvalidRequestError
+from graphrt.llm import LLM
+from graphrt.outputs import RequestOutput
+from graphrt.sampling.logprobs import TokenLogprobs
+from graphrt.sampling.params import SamplingParams
+from graphrt.serve.engine_loop import EngineLoop
+from graphrt.serve.errors import ApiError, bad_request
+from graphrt.serve.limits import AdmissionGate, ServerLimits
+from graphrt.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+#: OpenAI's default max_tokens for completions (chat completions default to what the context leaves).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Choice:
+    """One engine request of an API request: its choice index, prompt ids and sampling."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # completions' echo: the prompt text put before the answer
+
+
+class OpenAIHandlers:
+    """Turns API requests into choices, runs them (through ``gate``, then ``loop``) and shapes the
+    answers. ``model_name``: the one model this server serves (requests naming another get 404)."""
+
+    def __init__(self, llm: LLM, loop: EngineLoop, limits: ServerLimits, model_name: str) -> None:
+        if llm.tokenizer is None:
+            raise InvalidRequestError("graphrt serve needs a model with a tokenizer")
+        self.llm, self.loop, self.limits, self.model_name = llm, loop, limits, model_name
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.engine.max_model_len
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
+        self.max_tokens = min(limits.max_tokens or self.max_model_len, self.max_model_len)
+        self.created = int(time.time())
+        self.gate = AdmissionGate(limits.max_concurrent, limits.max_queued)
+        self._token_texts: dict[int, str] = {}
+
+    # -- requests into choices ------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _resolve_max_tokens(self, asked: int | None, default: int | None, prompt_tokens: int, prompt_field: str
+                            ) -> int:
+        if prompt_tokens > self.max_prompt_tokens:
+            raise bad_request(f"the prompt has {prompt_tokens} tokens; this server takes at most "
+                              f"{self.max_prompt_tokens}", param=prompt_field)
+        room = self.max_model_len - prompt_tokens
+        if asked is None:
+            return min(default or self.max_tokens, self.max_tokens, room)
+        if asked > self.max_tokens:
+            raise bad_request(f"max_tokens={asked} is above this server's limit of {self.max_tokens}",
+                              param="max_tokens")
+        if asked > room:
+            raise bad_request(f"this model's context is {self.max_model_len} tokens: the prompt's {prompt_tokens} "
+                              f"leave room for {room}, but max_tokens asks for {asked}", param="max_tokens")
+        return asked
+
+    def completion_choices(self, request: CompletionRequest) -> list[Choice]:
+        request.check()
+        self.check_model(request.model)
+        choices = []
+        for number, prompt in enumerate(request.prompts()):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            echo = "" if not request.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            max_tokens = self._resolve_max_tokens(request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
+            first = number * request.n
+            for offset, params in enumerate(request.sampling_params(max_tokens, request.logprobs, first)):
+                choices.append(Choice(first + offset, ids, params, echo))
+        return choices
+
+    def chat_choices(self, request: ChatCompletionRequest) -> list[Choice]:
+        request.check()
+        self.check_model(request.model)
+        try:
+            ids = self.llm.chat_prompt_ids(request.turns())
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc).removeprefix("conversation 0, "), param="messages") from None
+        max_tokens = self._resolve_max_tokens(request.requested_max_tokens, None, len(ids), "messages")
+        return [Choice(index, ids, params)
+                for index, params in enumerate(request.sampling_params(max_tokens, request.num_logprobs, 0))]
+
+    # -- running choices --------------------------------------------------------------------------
+
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Each choice's outputs as they come (admitted already: ``gate.admit``); leaving early aborts
+        the unfinished ones. Raises ApiError 400 for a request the engine refuses, 503 when it stopped."""
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        async def follow(choice: Choice) -> None:
+            try:
+                async for output in self.loop.generate(choice.prompt_ids, choice.params):
+                    outputs.put_nowait((choice, output))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+                outputs.put_nowait((choice, exc))
+
+        tasks = [asyncio.create_task(follow(choice)) for choice in choices]
+        try:
+            unfinished = len(choices)
+            while unfinished:
+                choice, item = await outputs.get()
+                if isinstance(item, InvalidRequestError):
+                    raise bad_request(str(item))
+                if isinstance(item, Exception):
+                    raise ApiError(503, str(item))
+                unfinished -= item.finished
+                yield choice, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- answers ----------------------------------------------------------------------------------
+
+    def _envelope(self, kind: str, request_id: str) -> dict:
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def complete(self, choices: list[Choice], chat: bool) -> dict:
+        """The whole answer, once every choice finished."""
+        finals: dict[int, tuple[Choice, RequestOutput]] = {}
+        async for choice, output in self.run(choices):
+            if output.finished:
+                finals[choice.index] = (choice, output)
+        answer = self._envelope("chat.completion" if chat else "text_completion", _request_id(chat))
+        answer["choices"] = [self._final_choice(*finals[index], chat) for index in sorted(finals)]
+        answer["usage"] = self.usage(_count_prompt_tokens(choices), sum(len(o.token_ids) for _, o in finals.values()))
+        return answer
+
+    def _final_choice(self, choice: Choice, output: RequestOutput, chat: bool) -> dict:
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = self._chat_logprobs(output.logprobs) if chat else self._completion_logprobs(
+                output.logprobs, len(choice.echo))
+        if chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
+                    "logprobs": logprobs, "finish_reason": output.finish_reason}
+        return {"index": choice.index, "text": choice.echo + output.text, "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
+
+    async def stream(self, choices: list[Choice], chat: bool, include_usage: bool) -> AsyncIterator[dict]:
+        """The answer as stream chunks: each choice's new text (chat: its role first), its finish reason
+        with its last piece; then, with ``include_usage``, a chunk of usage alone."""
+        request_id = _request_id(chat)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent_text = {choice.index: 0 for choice in choices}
+        sent_tokens = {choice.index: 0 for choice in choices}
+        completion_tokens = 0
+        if chat:
+            for choice in choices:
+                yield {**self._envelope(kind, request_id), "choices": [
+                    {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]}
+        elif any(choice.echo for choice in choices):
+            for choice in choices:
+                yield {**self._envelope(kind, request_id), "choices": [
+                    {"index": choice.index, "text": choice.echo, "logprobs": None, "finish_reason": None}]}
+        async for choice, output in self.run(choices):
+            text = output.text or ""
+            delta = text[sent_text[choice.index]:]
+            new_logprobs = (output.logprobs or [])[sent_tokens[choice.index]:]
+            if not delta and not output.finished and not new_logprobs:
+                continue
+            sent_text[choice.index] = len(text)
+            sent_tokens[choice.index] = len(output.token_ids)
+            logprobs = None
+            if output.logprobs is not None:
+                logprobs = (self._chat_logprobs(new_logprobs) if chat
+                            else self._completion_logprobs(new_logprobs, 0))
+            piece = {"index": choice.index, "logprobs": logprobs, "finish_reason": output.finish_reason}
+            piece.update({"delta": {"content": delta} if delta or not output.finished else {}} if chat
+                         else {"text": delta})
+            if output.finished:
+                completion_tokens += len(output.token_ids)
+            yield {**self._envelope(kind, request_id), "choices": [piece]}
+        if include_usage:
+            yield {**self._envelope(kind, request_id), "choices": [],
+                   "usage": self.usage(_count_prompt_tokens(choices), completion_tokens)}
+
+    # -- logprobs ---------------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _completion_logprobs(self, scored: list[TokenLogprobs], offset: int) -> dict:
+        tokens = [self._token_text(entry.token_id) for entry in scored]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in scored],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in entry.top} for entry in scored],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, scored: list[TokenLogprobs]) -> dict:
+        def described(token_id: int, logprob: float) -> dict:
+            token = self._token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**described(entry.token_id, entry.logprob),
+                             "top_logprobs": [described(t, lp) for t, lp in entry.top]} for entry in scored]}
+
+
+def _count_prompt_tokens(choices: list[Choice]) -> int:
+    """Prompt tokens of a request: each prompt once, however many choices it has (they share its list)."""
+    return sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+
+
+def _request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

