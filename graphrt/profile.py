@@ -631,7 +631,7 @@ def format_breakdown(r: dict) -> str:
 
 
 def main(args) -> int:
-    from graphrt.cli import kernel_options
+    from graphrt.cli_args import kernel_options
 
     result = profile_decode(
         args.model, batch_size=args.batch_size, context=args.context, steps=args.steps, warmup=args.warmup,

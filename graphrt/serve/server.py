@@ -44,7 +44,8 @@ class Server:
                  model_name: str | None = None) -> None:
         self.limits = limits or ServerLimits()
         self.loop = EngineLoop(llm.engine)
-        self.handlers = OpenAIHandlers(llm, self.loop, self.limits, model_name or default_model_name(llm.engine.config.model))
+        name = model_name or default_model_name(llm.engine.config.model)
+        self.handlers = OpenAIHandlers(llm, self.loop, self.limits, name)
         self.host, self.port = host, port
         self._uvicorn = uvicorn_server(build_app(self.handlers), host, port, self.limits)
         self._thread: threading.Thread | None = None
