@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from graphrt.base.errors import ConfigError
+from graphrt.base.native_stderr import filtered_native_stderr, kineto_notice
 from graphrt.workload import decode_workload, synchronize
 
 DEFAULT_TRACE = "graphrt_trace.json"
@@ -407,7 +408,7 @@ def torch_trace(path: str | None, device: torch.device):
         return
     from torch.profiler import profile
 
-    with profile(activities=profiler_activities(device)) as prof:
+    with filtered_native_stderr(kineto_notice), profile(activities=profiler_activities(device)) as prof:
         yield prof
         synchronize(device)
     prof.export_chrome_trace(str(path))
@@ -486,7 +487,9 @@ def profile_decode(
 
     # One discarded step under the profiler first: the first recorded step pays for its start-up.
     cycle = schedule(wait=0, warmup=1, active=steps, repeat=1)
-    with profile(activities=profiler_activities(dev), schedule=cycle, acc_events=True) as prof:  # one cycle: keep it
+    # One cycle: acc_events keeps its events. Kineto's start/stop notices are dropped from stderr.
+    with (filtered_native_stderr(kineto_notice),
+          profile(activities=profiler_activities(dev), schedule=cycle, acc_events=True) as prof):
         for _ in range(steps + 1):
             synchronize(dev)
             with step_annotation():

@@ -39,11 +39,13 @@ def nvtx_off_afterwards(monkeypatch):
     graphrt_nvtx.configure()
 
 
-def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capsys):
+def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capfd):
     trace, out = tmp_path / "trace.json", tmp_path / "breakdown.json"
     code = main(["profile", "--model", "random:tiny", "--device", "cpu", "--batch-size", "2", "--context", "17",
                  "--steps", "3", "--warmup", "1", "--trace", str(trace), "--json", str(out)])
     assert code == 0
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.err  # Kineto's start/stop notices are dropped
     events = json.loads(trace.read_text())["traceEvents"]
     steps = [e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"]
     assert len(steps) == 3 and all(e["ph"] == "X" and e["dur"] > 0 for e in steps)
@@ -61,7 +63,7 @@ def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capsys):
     assert all(0 < op["share_of_step"] <= 1 for op in result["top_cpu_ops"])
     assert any("kernel figures need CUDA" in note for note in result["notes"])
 
-    printed = capsys.readouterr().out
+    printed = captured.out
     assert "step wall time" in printed and "aten::mm" in printed and "kernel figures need CUDA" in printed
 
 
@@ -292,3 +294,18 @@ def test_breakdown_rounding_keeps_small_shares_positive():
     assert _rounded({"share_of_step": 0.000123456789, "us": [8946.8741234, 1234567.8912, 2.0]}) == {
         "share_of_step": 0.000123457, "us": [8946.874, 1234567.891, 2.0]}
     assert _rounded(0.0) == 0.0 and _rounded("text") == "text" and _rounded(3) == 3
+
+
+def test_filtered_native_stderr_drops_only_the_lines_asked_and_keeps_order(capfd):
+    import os
+    import sys
+
+    from graphrt.base.native_stderr import filtered_native_stderr, kineto_notice
+
+    with filtered_native_stderr(kineto_notice):
+        os.write(2, b"USDT:2026 x.cpp:52] profiler_start\nfirst\n")
+        os.write(2, b"second\nUSDT:2026 x.cpp:59] profiler_stop\n")
+        print("from Python", file=sys.stderr)
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "first\nsecond\n" in err and "from Python\n" in err and err.endswith("after\n")
