@@ -152,6 +152,18 @@ def test_unknown_architecture(tmp_path):
         LLM(str(tmp_path), device="cpu", progress=False)
 
 
+def test_a_config_naming_no_architecture_says_so(tmp_path):
+    _write_config(tmp_path, architectures=None)
+    with pytest.raises(ModelLoadError, match="names no architecture.*supported: Llama") as info:
+        LLM(str(tmp_path), device="cpu", progress=False)
+    assert "None" not in str(info.value)
+
+
+def test_generate_refuses_an_empty_stop_string(capsys):
+    assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1,2", "--stop", ""]) == 2
+    assert "stop" in capsys.readouterr().err
+
+
 def test_an_other_familys_config_is_named_by_architecture_not_by_a_missing_field(tmp_path):
     """A GPT-2 config.json has n_embd, not hidden_size: the error names the architecture."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 768,

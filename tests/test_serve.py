@@ -307,6 +307,13 @@ def test_a_client_that_leaves_frees_its_request(served):
     assert server.loop.engine.block_manager.num_free_blocks == free_blocks
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_request(tight):
+    impatient = openai.OpenAI(base_url=f"{tight.url}/v1", api_key="none", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):  # 400 tokens take longer than that on any CPU
+        impatient.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, extra_body={"ignore_eos": True})
+    assert _idle(tight), "the request of a client that left still runs"
+
+
 def test_a_flood_past_the_cap_gets_429(tight):
     client = openai.OpenAI(base_url=f"{tight.url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT)
     long = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, stream=True, extra_body={"ignore_eos": True})

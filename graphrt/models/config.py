@@ -105,8 +105,12 @@ class ModelConfig:
             model_type = config.get("model_type")
             arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM"}.get(model_type, str(model_type))
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        if arch == "None":  # neither field says what the model is
+            raise ConfigError(f"config.json names no architecture (no 'architectures' or 'model_type'); "
+                              f"supported: {supported}")
         if arch not in SUPPORTED_ARCHITECTURES:  # before its fields: another family names them otherwise
-            raise ConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise ConfigError(f"architecture {arch} is not supported (supported: {supported})")
         hidden = _int_field(config, "hidden_size")
         heads = _int_field(config, "num_attention_heads")
         layers = _int_field(config, "num_hidden_layers")

@@ -37,6 +37,11 @@ def build_app(handlers: OpenAIHandlers) -> FastAPI:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(ApiError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("graphrt serve: %s %s failed", request.method, request.url.path)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
     def authorize(request: Request) -> None:
         if limits.api_key is None:
             return
