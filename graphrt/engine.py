@@ -646,7 +646,8 @@ class LLMEngine:
             message = (f"prompt of {len(token_ids)} tokens leaves room for {room} of the {params.max_tokens} "
                        f"tokens asked (max_model_len {self.max_model_len})")
             if self.config.strict_max_tokens:
-                raise InvalidRequestError(message + "; lower max_tokens or raise max_model_len (--max-tokens, --max-model-len)")
+                raise InvalidRequestError(
+                    message + "; lower max_tokens or raise max_model_len (--max-tokens, --max-model-len)")
             logger.warning("%s: the request stops there (finish_reason 'length')", message)
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         # The last token is sampled, never fed back: its K/V needs no slot.
