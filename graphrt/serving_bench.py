@@ -257,7 +257,15 @@ def main(args) -> int:
         options["speculative"] = args.speculative
     options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
                    max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20)
-    with LLM(args.model, **options) as llm:
+    try:
+        llm = LLM(args.model, **options)
+    except ConfigError as exc:
+        if args.max_model_len is None and "max_position_embeddings" in str(exc):  # the load asked for too long
+            raise ConfigError(f"the load's longest sequence ({spec.longest_sequence} tokens: prefix, prompt and "
+                              f"output at their largest) is longer than the model takes ({exc}); shorten "
+                              "--prompt-len, --output-len or --shared-prefix") from None
+        raise
+    with llm:
         engine = llm.engine
         warm = make_requests(LoadSpec(1e6, 2, spec.prompt_len, LengthRange(4), seed=spec.seed + 1,
                                       temperature=spec.temperature, top_p=spec.top_p), engine.model_config.vocab_size)

@@ -97,6 +97,10 @@ def test_bad_loads_are_refused_before_building(capsys):
     assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--prompt-len", "20:4",
                  "--output-len", "10", "--max-model-len", "30"]) != 0
     assert "longest sequence (34 tokens" in capsys.readouterr().err
+    # Without --max-model-len the load sets it; beyond the model's positions the load is named.
+    assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--prompt-len", "5000",
+                 "--output-len", "4", "--num-requests", "2"]) != 0
+    assert "longest sequence (5004 tokens" in capsys.readouterr().err
     for argv, message in ((["--temperature", "-1"], "the temperature must be finite and >= 0, got -1.0"),
                           (["--top-p", "0"], "top_p must be in (0, 1], got 0.0")):
         assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", *argv]) != 0
