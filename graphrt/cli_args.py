@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from graphrt.base.errors import GraphrtError
 from graphrt.config import KV_CACHE_DTYPES
 from graphrt.models.fp8 import QUANTIZATIONS
 
