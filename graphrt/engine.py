@@ -519,11 +519,15 @@ class LLMEngine:
         computed full blocks named for the prefix cache first."""
         self._cache_computed(seqs)
         for seq in seqs:
+            stop_strings = self._stop_strings.get(seq.seq_id)
             if seq.is_finished:
-                continue
-            if seq.request_id in self._aborting:
+                # A stop string that the last allowed token completes ends the request as a stop.
+                if (seq.finish_reason is FinishReason.LENGTH and stop_strings is not None
+                        and stop_strings.found(self._running_text(seq))):
+                    seq.finish(FinishReason.STOP)
+            elif seq.request_id in self._aborting:
                 seq.finish(FinishReason.ABORT)
-            elif seq.seq_id in self._stop_strings and self._stop_strings[seq.seq_id].found(self._running_text(seq)):
+            elif stop_strings is not None and stop_strings.found(self._running_text(seq)):
                 seq.finish(FinishReason.STOP)
         try:
             outputs = [self._output_of(seq) for seq in seqs]

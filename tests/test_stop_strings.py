@@ -96,3 +96,17 @@ def test_requests_without_stop_strings_in_the_batch_run_on(llm):
                                   SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)])
     assert outs[0].finish_reason == "stop" and outs[0].text == references[0].text[:references[0].text.index(stop)]
     assert outs[1].token_ids == references[1].token_ids and outs[1].finish_reason == "length"
+
+
+@needs_default_model
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
+    """max_tokens and a stop string reached on one token: the text is cut, so the reason is 'stop'."""
+    prompt = "The three primary colors are"
+    reference = _reference(llm, prompt, max_tokens=12)
+    last_piece = llm.tokenizer.decode(reference.token_ids[-1:])
+    assert last_piece.strip(), reference.text
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                  stop=[last_piece.strip()]))
+    assert out.token_ids == reference.token_ids
+    assert out.finish_reason == "stop"
+    assert out.text == reference.text[:reference.text.index(last_piece.strip())]
