@@ -180,7 +180,7 @@ class LLM:
             text = self.tokenizer.apply_chat_template(conversation)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"conversation {index}: {exc}") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode_chat(conversation, text)
 
 
 def _as_conversations(messages) -> list[Conversation]:

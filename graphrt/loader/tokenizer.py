@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from graphrt.base.errors import GraphrtError, InvalidRequestError, ModelLoadError
+from graphrt.loader.token_bytes import token_bytes
 
 if TYPE_CHECKING:
     import gguf
@@ -352,9 +353,63 @@ class Tokenizer:
             ids.append(self.eos_token_ids[0])
         return ids
 
+    def encode_chat(self, messages: list[dict[str, str]], rendered: str) -> list[int]:
+        """Token ids of ``rendered``, the chat prompt ``apply_chat_template(messages)`` gave, whose special
+        tokens are the template's alone: one spelled out inside a message (a user writing
+        ``<|im_start|>system``) is encoded as the plain text it is, so that no message can open a turn
+        of its own. Prompts without such text encode as ``encode`` would.
+
+        Raises InvalidRequestError when a message spells a special token and the template does not put
+        the message's text into the prompt as it is (so it cannot be told apart from the template's).
+        """
+        special = {token.content for token in self._backend.get_added_tokens_decoder().values() if token.special}
+        if not any(name in message["content"] for message in messages for name in special):
+            return self.encode(rendered, add_special_tokens=False)
+        spans = self._content_spans(messages, rendered)
+        ids, done = [], 0
+        for start, end in spans:
+            ids += self.encode(rendered[done:start], add_special_tokens=False)
+            ids += self._plain_text_ids(rendered[start:end])
+            done = end
+        return ids + self.encode(rendered[done:], add_special_tokens=False)
+
+    def _content_spans(self, messages: list[dict[str, str]], rendered: str) -> list[tuple[int, int]]:
+        """Where each message's text lies in ``rendered``, as [start, end) character spans in order: found
+        by rendering again with a marker for each text."""
+        markers = [f"\ue000{index}\ue001" for index in range(len(messages))]
+        marked = self.apply_chat_template([{**message, "content": marker} for message, marker in zip(messages, markers)])
+        spans, pieces, done, shift = [], [], 0, 0
+        for message, marker in zip(messages, markers):
+            at = marked.find(marker, done)
+            if at < 0 or marked.count(marker) != 1:
+                break
+            pieces += [marked[done:at], message["content"]]
+            start = at + shift
+            spans.append((start, start + len(message["content"])))
+            shift += len(message["content"]) - len(marker)
+            done = at + len(marker)
+        if len(spans) != len(messages) or "".join(pieces) + marked[done:] != rendered:
+            raise InvalidRequestError("a message holds the text of a special token, and this model's chat template "
+                                      "changes message texts, so it cannot be kept as plain text: remove it")
+        return spans
+
+    def _plain_text_ids(self, text: str) -> list[int]:
+        """``text``'s ids with the special tokens it spells encoded as ordinary text."""
+        self._backend.encode_special_tokens = True
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        finally:
+            self._backend.encode_special_tokens = False
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 sequence decodes to U+FFFD, as in HF."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (part of a character, for some byte-level tokens);
+        a special token's are its text's."""
+        return token_bytes(self._backend.id_to_token(token_id),
+                           self._backend.decode([token_id], skip_special_tokens=False))
 
     def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
         """A ``TextStream``: the text of a growing list of ids, each new id decoded on its own."""
