@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ from graphrt.base.errors import GraphrtError
 from graphrt.cli_args import (
     add_engine_arguments, add_model_arguments, add_sampling_arguments, comma_separated_ints,
     comma_separated_positive_ints, engine_options, fraction_and_length, kernel_options, length_range,
-    non_negative_int, output_file, positive_float, positive_int,
+    non_negative_int, output_file, port_number, positive_float, positive_int, stop_text,
 )
 from graphrt.info import collect_info, format_info
 
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     add_sampling_arguments(gen, "request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+    gen.add_argument("--stop", action="append", default=[], type=stop_text, metavar="TEXT",
                      help="a stop string (repeatable): an answer ends before the first one it contains")
     gen.add_argument("--calibrate-kv-scales", action="store_true",
                      help="with --kv-cache-dtype fp8: set each layer's KV-cache scales (where the checkpoint has "
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                        "only; 0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--api-key", default=os.environ.get("GRAPHRT_API_KEY"),
                        help="the key clients must send (default: GRAPHRT_API_KEY; none when unset)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -273,14 +274,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     with LLM(args.model, **engine_options(args)) as llm:
         server = Server(llm, args.host, args.port, limits, model_name=args.served_model_name)
         server.start()
+        # A service manager's SIGTERM stops the server as Ctrl-C does: open streams get their grace period.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             print(f"graphrt serve: {server.handlers.model_name} on {server.url}/v1 "
                   f"({'API key required' if limits.api_key else 'no API key'}); Ctrl-C stops", file=sys.stderr,
                   flush=True)
             server.wait()
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             server.stop()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _turns(interactive: bool) -> Iterator[str]:

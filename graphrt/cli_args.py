@@ -6,6 +6,7 @@ from these too."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from graphrt.base.errors import GraphrtError
@@ -36,14 +37,29 @@ def comma_separated_positive_ints(text: str) -> list[int]:
 
 
 def positive_float(text: str) -> float:
-    """argparse type for a number > 0."""
+    """argparse type for a finite number > 0."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
+
+
+def port_number(text: str) -> int:
+    """argparse type for a TCP port, 0 (any free one) to 65535."""
+    value = _int_at_least(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return value
+
+
+def stop_text(text: str) -> str:
+    """argparse type for a stop string: any text but the empty one."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
 
 
 def length_range(text: str):

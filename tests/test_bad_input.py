@@ -83,11 +83,13 @@ def test_request_larger_than_the_cache_is_rejected():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_tokens", 0), ("temperature", -1.0), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("seed", -1)],
+    [("max_tokens", 0), ("temperature", -1.0), ("temperature", float("inf")), ("temperature", float("nan")),
+     ("temperature", 1e39), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("seed", -1)],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(InvalidRequestError, match=field):
+    with pytest.raises(InvalidRequestError, match=field) as refused:
         SamplingParams(**{field: value})
+    assert refused.value.field == field
 
 
 def test_sampling_params_changed_after_building_are_checked_on_arrival(llm):
@@ -160,8 +162,10 @@ def test_a_config_naming_no_architecture_says_so(tmp_path):
 
 
 def test_generate_refuses_an_empty_stop_string(capsys):
-    assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1,2", "--stop", ""]) == 2
-    assert "stop" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", "random:tiny", "--prompt-ids", "1,2", "--stop", ""])
+    assert exited.value.code == 2
+    assert "--stop: a stop string must not be empty" in capsys.readouterr().err
 
 
 def test_an_other_familys_config_is_named_by_architecture_not_by_a_missing_field(tmp_path):

@@ -14,4 +14,9 @@ class ModelLoadError(GraphrtError):
 
 
 class InvalidRequestError(GraphrtError, ValueError):
-    """A request (prompt or sampling parameters) is invalid; nothing was enqueued."""
+    """A request (prompt or sampling parameters) is invalid; nothing was enqueued. ``field``: the
+    sampling parameter at fault, when one is (a server names it back to its client)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,10 +13,12 @@ SEED_LIMIT = 2**63
 
 #: Temperatures below this are sampled greedily: dividing logits by them would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
+#: Temperatures live in a float32 tensor on the device: above this they would become infinite.
+MAX_TEMPERATURE = 1e38
 
 
 def _bad(name: str, value: Any, requirement: str) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid sampling parameter {name}={value!r}: {requirement}")
+    return InvalidRequestError(f"invalid sampling parameter {name}={value!r}: {requirement}", field=name)
 
 
 def _is_int(value: Any) -> bool:
@@ -36,7 +37,7 @@ class SamplingParams:
     Fields:
         max_tokens: the most tokens to generate for this request (>= 1). Generation may stop
             earlier on EOS or on one of ``stop_token_ids``.
-        temperature: divides the logits before softmax (finite, >= 0). ``0`` means greedy
+        temperature: divides the logits before softmax (>= 0, at most ``MAX_TEMPERATURE``). ``0`` means greedy
             decoding (argmax; ties go to the lowest token id) and makes ``top_k``, ``top_p``
             and ``seed`` irrelevant. Values below ``GREEDY_TEMPERATURE`` (1e-5) are treated as
             greedy too, since dividing logits by them can overflow float32.
@@ -84,8 +85,8 @@ class SamplingParams:
             raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
         self.max_tokens = int(self.max_tokens)
 
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise _bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if not _is_real(self.temperature) or not (0 <= self.temperature <= MAX_TEMPERATURE):
+            raise _bad("temperature", self.temperature, f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         self.temperature = float(self.temperature)
 
         if not _is_int(self.top_k) or self.top_k < -1:
