@@ -58,12 +58,20 @@ def build_app(handlers: OpenAIHandlers) -> FastAPI:
             raise ApiError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": handlers.model_name, "object": "model", "created": handlers.created, "owned_by": "graphrt",
+                "max_model_len": handlers.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": handlers.model_name, "object": "model", "created": handlers.created, "owned_by": "graphrt",
-            "max_model_len": handlers.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str) -> Response:
+        authorize(request)
+        handlers.check_model(name)
+        return JSONResponse(model_card())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -81,14 +89,19 @@ def build_app(handlers: OpenAIHandlers) -> FastAPI:
 
     async def answer(request: Request, choices: list[Choice], chat: bool, stream: bool,
                      include_usage: bool) -> Response:
-        await handlers.gate.admit(len(choices))
+        # A client that leaves while queued gives its place up.
+        await until_disconnect(request, handlers.gate.admit(len(choices)))
         release = _once(lambda: handlers.gate.release(len(choices)))
-        if stream:
-            return EventStream(handlers.stream(choices, chat, include_usage), on_close=release)
+        streaming = False
         try:
-            return JSONResponse(await until_disconnect(request, handlers.complete(choices, chat)))
+            requests = await handlers.start(choices)
+            if stream:
+                streaming = True  # from here the stream releases the slots, when it ends
+                return EventStream(handlers.stream(choices, requests, chat, include_usage), on_close=release)
+            return JSONResponse(await until_disconnect(request, handlers.complete(choices, requests, chat)))
         finally:
-            release()
+            if not streaming:
+                release()
 
     return app
 
@@ -101,10 +114,12 @@ async def read_request(request: Request, model: type[BaseModel], max_bytes: int,
         raise ApiError(413, f"the request body is over this server's limit of {max_bytes} bytes")
     chunks, size = [], 0
     pieces = request.stream().__aiter__()
+    clock = asyncio.get_running_loop()
+    deadline = clock.time() + timeout  # for the whole body: a client trickling bytes gains no time
     try:
         while True:
             try:
-                chunk = await asyncio.wait_for(pieces.__anext__(), timeout)
+                chunk = await asyncio.wait_for(pieces.__anext__(), max(0.0, deadline - clock.time()))
             except StopAsyncIteration:
                 break
             size += len(chunk)
@@ -122,9 +137,38 @@ async def read_request(request: Request, model: type[BaseModel], max_bytes: int,
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or None
-        raise bad_request(f"{field}: {first['msg']}" if field else first["msg"], param=field) from None
+        raise bad_request(*describe_invalid(exc.errors())) from None
+
+
+def describe_invalid(errors: list[dict]) -> tuple[str, str | None]:
+    """A validation failure as (message, param): the field of the first error, its path without
+    pydantic's names of union members (``stop.str``); for a field that takes several types, which ones,
+    and the deepest of its errors (a message part that is not text says where)."""
+    first = errors[0]
+    param = _field_path(first["loc"]) or None
+    if not param:
+        return first["msg"], None
+    tags = [part for part in first["loc"] if _is_type_tag(part)]
+    if not tags:
+        return f"{param}: {first['msg']}", param
+    # A union: every member's errors follow, each under its own tag at the same position.
+    position = first["loc"].index(tags[0])
+    prefix = first["loc"][:position]
+    members = [e for e in errors if tuple(e["loc"][:position]) == tuple(prefix) and len(e["loc"]) > position]
+    kinds = list(dict.fromkeys(e["loc"][position] for e in members))
+    message = f"{param}: must be one of {', '.join(kinds)}"
+    deepest = max(members, key=lambda e: len(e["loc"]))
+    if len(deepest["loc"]) > position + 1:
+        message += f" ({_field_path(deepest['loc'])}: {deepest['msg']})"
+    return message, param
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict", "list"})
+
+
+def _field_path(loc) -> str:
+    return ".".join(str(part) for part in loc if not _is_type_tag(part))
 
 
 async def until_disconnect(request: Request, work):
@@ -193,7 +237,7 @@ class EventStream(Response):
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {"Retry-After": "1"} if error.status == 429 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

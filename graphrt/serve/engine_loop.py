@@ -29,17 +29,27 @@ class EngineStopped(GraphrtError):
 
 
 class _Mailbox:
-    """A request's newest output, on the event loop of the handler that reads it."""
+    """A request's verdict (accepted or refused by the engine) and newest output, on the event loop of
+    the handler that reads them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._ready = asyncio.Event()
         self._latest: RequestOutput | BaseException | None = None
+        self._decided = asyncio.Event()
+        self._refusal: BaseException | None = None
 
     def post(self, item: RequestOutput | BaseException) -> None:
         """From the engine's thread: replace the newest output (or fail the request)."""
+        self._call(self._put, item)
+
+    def accept(self) -> None:
+        """From the engine's thread: the engine took the request."""
+        self._call(self._decided.set)
+
+    def _call(self, function, *args) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._put, item)
+            self._loop.call_soon_threadsafe(function, *args)
         except RuntimeError:  # the handler's event loop is closed: nobody is left to read it
             pass
 
@@ -47,8 +57,16 @@ class _Mailbox:
         if isinstance(self._latest, BaseException) or (isinstance(self._latest, RequestOutput)
                                                         and self._latest.finished):
             return  # a request's end is never overwritten
+        if isinstance(item, BaseException) and not self._decided.is_set():
+            self._refusal = item
+        self._decided.set()
         self._latest = item
         self._ready.set()
+
+    async def accepted(self) -> None:
+        await self._decided.wait()
+        if self._refusal is not None:
+            raise self._refusal
 
     async def take(self) -> RequestOutput:
         await self._ready.wait()
@@ -84,24 +102,19 @@ class EngineLoop:
             self._commands.put(("stop",))
             self._thread.join(timeout)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as it runs (each the whole output so far; the last one finished).
-        Leaving the iteration early (the client went away) aborts the request. Raises the engine's
-        InvalidRequestError for a request it refuses, ``EngineStopped`` when the loop is not running."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> ServedRequest:
+        """Hand a request to the engine (from the handler's event loop). Raises ``EngineStopped`` when
+        the loop is not running; the engine's own verdict comes through ``ServedRequest.accepted``."""
         if not self.running:
             raise EngineStopped(self._why_stopped())
         request_id = f"srv-{uuid.uuid4().hex}"  # not guessable: no client can address another's request
         mailbox = _Mailbox(asyncio.get_running_loop())
         self._commands.put(("add", request_id, prompt_ids, params, mailbox))
-        finished = False
-        try:
-            while not finished:
-                output = await mailbox.take()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self._commands.put(("abort", request_id))
+        return ServedRequest(self, request_id, mailbox)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the engine's next command check (its last output: ``finish_reason="abort"``)."""
+        self._commands.put(("abort", request_id))
 
     def _why_stopped(self) -> str:
         if self.failure is not None:
@@ -151,6 +164,7 @@ class EngineLoop:
         except GraphrtError as exc:
             mailbox.post(exc)
             return
+        mailbox.accept()
         self._mailboxes[request_id] = mailbox
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -170,3 +184,28 @@ class EngineLoop:
                 return
             if command[0] == "add":
                 command[4].post(reason)
+
+
+class ServedRequest:
+    """A request handed to an ``EngineLoop``: ``accepted`` waits for the engine's verdict (raising its
+    InvalidRequestError, or ``EngineStopped``), ``outputs`` follows it (each output the whole output so
+    far; the last one finished), ``close`` aborts it unless it finished."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, mailbox: _Mailbox) -> None:
+        self._loop, self.request_id, self._mailbox = loop, request_id, mailbox
+        self.finished = False
+        self._closed = False
+
+    async def accepted(self) -> None:
+        await self._mailbox.accepted()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            output = await self._mailbox.take()
+            self.finished = output.finished
+            yield output
+
+    def close(self) -> None:
+        if not self.finished and not self._closed:
+            self._closed = True
+            self._loop.abort(self.request_id)

@@ -44,22 +44,23 @@ class SendDeadline:
             logger.warning("graphrt serve: dropped %s: %s", f"{client[0]}:{client[1]}" if client else "a client", exc)
 
 
-def header_deadline_protocol(timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose next request's headers take over ``timeout``
-    seconds to arrive (on connecting, and again after each reply)."""
+def header_deadline_protocol(timeout: float, keep_alive: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers take over ``timeout`` seconds
+    to arrive: from connecting, and after each reply from the end of the ``keep_alive`` seconds an
+    idle connection may wait for its next request."""
 
     class HeaderDeadlineProtocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm_header_deadline()
+            self._arm_header_deadline(timeout)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm_header_deadline()
+            self._arm_header_deadline(keep_alive + timeout)
 
-        def _arm_header_deadline(self) -> None:
+        def _arm_header_deadline(self, seconds: float) -> None:
             waiting_after = self.cycle  # a request whose headers arrive starts a new cycle
-            self.loop.call_later(timeout, self._close_if_no_request, waiting_after)
+            self.loop.call_later(seconds, self._close_if_no_request, waiting_after)
 
         def _close_if_no_request(self, waiting_after) -> None:
             if self.cycle is waiting_after and not self.transport.is_closing():
@@ -72,7 +73,7 @@ def uvicorn_server(app, host: str, port: int, limits: ServerLimits, log_level: s
     """A uvicorn server for ``app`` on ``host:port`` under ``limits``' timeouts (not started)."""
     config = uvicorn.Config(
         SendDeadline(app, limits.send_timeout), host=host, port=port, log_level=log_level,
-        http=header_deadline_protocol(limits.header_timeout), timeout_keep_alive=limits.keep_alive_timeout,
+        http=header_deadline_protocol(limits.header_timeout, limits.keep_alive_timeout), timeout_keep_alive=limits.keep_alive_timeout,
         h11_max_incomplete_event_size=64 * 1024, lifespan="off", server_header=False,
         timeout_graceful_shutdown=5,  # then open streams are cut: stopping must not wait for them to end
     )

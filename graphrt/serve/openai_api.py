@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from graphrt.base.errors import ConfigError, InvalidRequestError
 from graphrt.llm import LLM
+from graphrt.loader.token_bytes import token_label
 from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
-from graphrt.serve.engine_loop import EngineLoop
+from graphrt.serve.engine_loop import EngineLoop, EngineStopped, ServedRequest
 from graphrt.serve.errors import ApiError, bad_request
 from graphrt.serve.limits import AdmissionGate, ServerLimits
 from graphrt.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,11 +44,12 @@ class OpenAIHandlers:
         self.llm, self.loop, self.limits, self.model_name = llm, loop, limits, model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.max_model_len
+        self.vocab_size = llm.engine.model_config.vocab_size
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens = min(limits.max_tokens or self.max_model_len, self.max_model_len)
         self.created = int(time.time())
         self.gate = AdmissionGate(limits.max_concurrent, limits.max_queued)
-        self._token_texts: dict[int, str] = {}
+        self._token_data: dict[int, bytes] = {}
 
     # -- requests into choices ------------------------------------------------------------------
 
@@ -56,8 +58,8 @@ class OpenAIHandlers:
             raise ApiError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _resolve_max_tokens(self, asked: int | None, default: int | None, prompt_tokens: int, prompt_field: str
-                            ) -> int:
+    def _resolve_max_tokens(self, asked: int | None, default: int | None, prompt_tokens: int, prompt_field: str,
+                            asked_field: str = "max_tokens") -> int:
         if prompt_tokens > self.max_prompt_tokens:
             raise bad_request(f"the prompt has {prompt_tokens} tokens; this server takes at most "
                               f"{self.max_prompt_tokens}", param=prompt_field)
@@ -65,26 +67,42 @@ class OpenAIHandlers:
         if asked is None:
             return min(default or self.max_tokens, self.max_tokens, room)
         if asked > self.max_tokens:
-            raise bad_request(f"max_tokens={asked} is above this server's limit of {self.max_tokens}",
-                              param="max_tokens")
+            raise bad_request(f"{asked_field}={asked} is above this server's limit of {self.max_tokens}",
+                              param=asked_field)
         if asked > room:
             raise bad_request(f"this model's context is {self.max_model_len} tokens: the prompt's {prompt_tokens} "
-                              f"leave room for {room}, but max_tokens asks for {asked}", param="max_tokens")
+                              f"leave room for {room}, but {asked_field} asks for {asked}", param=asked_field)
         return asked
+
+    def _check_choice_count(self, choices: list[Choice], prompts: int) -> list[Choice]:
+        """More choices than the server runs at once could never be admitted: refused up front."""
+        capacity = self.gate.capacity
+        if len(choices) > capacity:
+            asked = f"{prompts} prompts x n={len(choices) // prompts}" if prompts > 1 else f"n={len(choices)}"
+            raise bad_request(f"the request asks for {len(choices)} answers ({asked}) but this server runs at most "
+                              f"{capacity} at once", param="prompt" if prompts > 1 else "n")
+        return choices
 
     def completion_choices(self, request: CompletionRequest) -> list[Choice]:
         request.check()
         self.check_model(request.model)
         choices = []
         for number, prompt in enumerate(request.prompts()):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
             echo = "" if not request.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             max_tokens = self._resolve_max_tokens(request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
                                                   "prompt")
             first = number * request.n
             for offset, params in enumerate(request.sampling_params(max_tokens, request.logprobs, first)):
                 choices.append(Choice(first + offset, ids, params, echo))
-        return choices
+        return self._check_choice_count(choices, len(choices) // request.n)
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        outside = next((token for token in ids if not 0 <= token < self.vocab_size), None)
+        if outside is not None:
+            raise bad_request(f"token id {outside} is outside the model's vocabulary [0, {self.vocab_size})",
+                              param="prompt")
+        return ids
 
     def chat_choices(self, request: ChatCompletionRequest) -> list[Choice]:
         request.check()
@@ -93,31 +111,52 @@ class OpenAIHandlers:
             ids = self.llm.chat_prompt_ids(request.turns())
         except InvalidRequestError as exc:
             raise bad_request(str(exc).removeprefix("conversation 0, "), param="messages") from None
-        max_tokens = self._resolve_max_tokens(request.requested_max_tokens, None, len(ids), "messages")
-        return [Choice(index, ids, params)
-                for index, params in enumerate(request.sampling_params(max_tokens, request.num_logprobs, 0))]
+        asked_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._resolve_max_tokens(request.requested_max_tokens, None, len(ids), "messages", asked_field)
+        return self._check_choice_count(
+            [Choice(index, ids, params)
+             for index, params in enumerate(request.sampling_params(max_tokens, request.num_logprobs, 0))], 1)
 
     # -- running choices --------------------------------------------------------------------------
 
-    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-        """Each choice's outputs as they come (admitted already: ``gate.admit``); leaving early aborts
-        the unfinished ones. Raises ApiError 400 for a request the engine refuses, 503 when it stopped."""
+    async def start(self, choices: list[Choice]) -> list[ServedRequest]:
+        """Hand the choices (admitted already: ``gate.admit``) to the engine and wait for its verdict on
+        each, so that a refusal is an error answer before any of the answer is sent. Raises ApiError 400
+        for a choice the engine refuses (the others are aborted), 503 when the engine is not running."""
+        requests: list[ServedRequest] = []
+        try:
+            for choice in choices:
+                requests.append(self.loop.submit(choice.prompt_ids, choice.params))
+            for request in requests:
+                await request.accepted()
+        except BaseException as exc:
+            for request in requests:
+                request.close()
+            if isinstance(exc, InvalidRequestError):
+                raise bad_request(str(exc)) from None
+            if isinstance(exc, EngineStopped):
+                raise ApiError(503, str(exc)) from None
+            raise
+        return requests
+
+    async def run(self, choices: list[Choice], requests: list[ServedRequest]
+                  ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Each choice's outputs as they come (``requests``: what ``start`` gave for them); leaving early
+        aborts the unfinished ones. Raises ApiError 503 when the engine stops meanwhile."""
         outputs: asyncio.Queue = asyncio.Queue()
 
-        async def follow(choice: Choice) -> None:
+        async def follow(choice: Choice, request: ServedRequest) -> None:
             try:
-                async for output in self.loop.generate(choice.prompt_ids, choice.params):
+                async for output in request.outputs():
                     outputs.put_nowait((choice, output))
             except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
                 outputs.put_nowait((choice, exc))
 
-        tasks = [asyncio.create_task(follow(choice)) for choice in choices]
+        tasks = [asyncio.create_task(follow(choice, request)) for choice, request in zip(choices, requests)]
         try:
             unfinished = len(choices)
             while unfinished:
                 choice, item = await outputs.get()
-                if isinstance(item, InvalidRequestError):
-                    raise bad_request(str(item))
                 if isinstance(item, Exception):
                     raise ApiError(503, str(item))
                 unfinished -= item.finished
@@ -126,6 +165,8 @@ class OpenAIHandlers:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for request in requests:
+                request.close()
 
     # -- answers ----------------------------------------------------------------------------------
 
@@ -137,10 +178,10 @@ class OpenAIHandlers:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    async def complete(self, choices: list[Choice], chat: bool) -> dict:
+    async def complete(self, choices: list[Choice], requests: list[ServedRequest], chat: bool) -> dict:
         """The whole answer, once every choice finished."""
         finals: dict[int, tuple[Choice, RequestOutput]] = {}
-        async for choice, output in self.run(choices):
+        async for choice, output in self.run(choices, requests):
             if output.finished:
                 finals[choice.index] = (choice, output)
         answer = self._envelope("chat.completion" if chat else "text_completion", _request_id(chat))
@@ -152,20 +193,22 @@ class OpenAIHandlers:
         logprobs = None
         if output.logprobs is not None:
             logprobs = self._chat_logprobs(output.logprobs) if chat else self._completion_logprobs(
-                output.logprobs, len(choice.echo))
+                output.logprobs, bytearray(), len(choice.echo))
         if chat:
-            return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
+            return {"index": choice.index, "message": {"role": "assistant", "content": output.text, "refusal": None},
                     "logprobs": logprobs, "finish_reason": output.finish_reason}
         return {"index": choice.index, "text": choice.echo + output.text, "logprobs": logprobs,
                 "finish_reason": output.finish_reason}
 
-    async def stream(self, choices: list[Choice], chat: bool, include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, choices: list[Choice], requests: list[ServedRequest], chat: bool,
+                     include_usage: bool) -> AsyncIterator[dict]:
         """The answer as stream chunks: each choice's new text (chat: its role first), its finish reason
         with its last piece; then, with ``include_usage``, a chunk of usage alone."""
         request_id = _request_id(chat)
         kind = "chat.completion.chunk" if chat else "text_completion"
         sent_text = {choice.index: 0 for choice in choices}
         sent_tokens = {choice.index: 0 for choice in choices}
+        sent_bytes = {choice.index: bytearray() for choice in choices}  # completions' text_offset counts them
         completion_tokens = 0
         if chat:
             for choice in choices:
@@ -176,7 +219,7 @@ class OpenAIHandlers:
             for choice in choices:
                 yield {**self._envelope(kind, request_id), "choices": [
                     {"index": choice.index, "text": choice.echo, "logprobs": None, "finish_reason": None}]}
-        async for choice, output in self.run(choices):
+        async for choice, output in self.run(choices, requests):
             text = output.text or ""
             delta = text[sent_text[choice.index]:]
             new_logprobs = (output.logprobs or [])[sent_tokens[choice.index]:]
@@ -186,8 +229,8 @@ class OpenAIHandlers:
             sent_tokens[choice.index] = len(output.token_ids)
             logprobs = None
             if output.logprobs is not None:
-                logprobs = (self._chat_logprobs(new_logprobs) if chat
-                            else self._completion_logprobs(new_logprobs, 0))
+                logprobs = (self._chat_logprobs(new_logprobs) if chat else self._completion_logprobs(
+                    new_logprobs, sent_bytes[choice.index], len(choice.echo)))
             piece = {"index": choice.index, "logprobs": logprobs, "finish_reason": output.finish_reason}
             piece.update({"delta": {"content": delta} if delta or not output.finished else {}} if chat
                          else {"text": delta})
@@ -200,26 +243,32 @@ class OpenAIHandlers:
 
     # -- logprobs ---------------------------------------------------------------------------------
 
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+    def _token_bytes(self, token_id: int) -> bytes:
+        data = self._token_data.get(token_id)
+        if data is None:
+            data = self._token_data[token_id] = self.tokenizer.token_bytes(token_id)
+        return data
 
-    def _completion_logprobs(self, scored: list[TokenLogprobs], offset: int) -> dict:
-        tokens = [self._token_text(entry.token_id) for entry in scored]
+    def _token_label(self, token_id: int) -> str:
+        return token_label(self._token_bytes(token_id))
+
+    def _completion_logprobs(self, scored: list[TokenLogprobs], before: bytearray, offset: int) -> dict:
+        """Completions' logprobs of ``scored`` tokens, which follow the bytes ``before`` (of this answer's
+        tokens so far; extended here) and the ``offset`` characters of its echoed prompt: each token's
+        ``text_offset`` counts the whole characters before it."""
         offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in scored],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in entry.top} for entry in scored],
+        for entry in scored:
+            offsets.append(offset + len(before.decode(errors="ignore")))
+            before += self._token_bytes(entry.token_id)
+        return {"tokens": [self._token_label(entry.token_id) for entry in scored],
+                "token_logprobs": [entry.logprob for entry in scored],
+                "top_logprobs": [{self._token_label(t): lp for t, lp in entry.top} for entry in scored],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, scored: list[TokenLogprobs]) -> dict:
         def described(token_id: int, logprob: float) -> dict:
-            token = self._token_text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+            return {"token": self._token_label(token_id), "logprob": logprob,
+                    "bytes": list(self._token_bytes(token_id))}
 
         return {"content": [{**described(entry.token_id, entry.logprob),
                              "top_logprobs": [described(t, lp) for t, lp in entry.top]} for entry in scored]}

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from graphrt.base.errors import InvalidRequestError
 from graphrt.sampling.params import SEED_LIMIT, SamplingParams
 from graphrt.serve.errors import bad_request
 
@@ -24,14 +25,14 @@ MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields completions and chat completions share."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -74,14 +75,17 @@ class _GenerationRequest(BaseModel):
         """The ``SamplingParams`` of the request's ``n`` choices of one prompt, choice ``choice`` first:
         with a seed, choice ``i`` draws with ``seed + i``, so that each is reproducible and they differ."""
         stops = self.stop_strings()
-        return [
-            SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                seed=None if self.seed is None else (self.seed + choice + i) % SEED_LIMIT, stop=stops,
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
-            )
-            for i in range(self.n)
-        ]
+        try:
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    seed=None if self.seed is None else (self.seed + choice + i) % SEED_LIMIT, stop=stops,
+                    ignore_eos=self.ignore_eos, logprobs=logprobs,
+                )
+                for i in range(self.n)
+            ]
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param=exc.field) from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -118,22 +122,27 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
     def as_turn(self, index: int) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template: text parts joined; OpenAI's ``developer`` role is
         the system prompt."""
+        if self.tool_calls or self.function_call is not None:
+            raise bad_request(f"messages[{index}] holds tool calls, which graphrt does not support",
+                              param=f"messages.{index}")
         if self.content is None:
-            raise bad_request(f"messages[{index}] has no content", param="messages")
+            raise bad_request(f"messages[{index}] has no content", param=f"messages.{index}.content")
         content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
@@ -147,15 +156,19 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_unsupported()
         if self.tools or self.tool_choice not in (None, "none"):
             raise bad_request("tools are not supported by graphrt", param="tools")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported by graphrt",
-                                      param="response_format")
+        if self.functions or self.function_call not in (None, "none"):
+            raise bad_request("functions are not supported by graphrt", param="functions")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("response_format takes only {\"type\": \"text\"} in graphrt (no JSON modes)",
+                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
