@@ -8,6 +8,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``-n N``) the workers share the cores: each gets its share of torch's threads,
+# where each would otherwise take them all and the workers would oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_terminal_summary(terminalreporter):
     """Skips summed by reason in a few lines (``-ra`` would list one line per skipping test site)."""
