@@ -595,11 +595,12 @@ def test_the_server_overhead_benchmark_measures_both_paths(tmp_path):
     assert run.returncode == 0, run.stderr
     [row] = json.loads(out.read_text())["results"]
     assert row["concurrency"] == 2
-    for path in ("api", "server"):
+    for path in ("api", "server_raw_client", "server_openai_client"):
         figures = row[path]
         assert figures["requests"] == 2 and 0 < figures["ttft_ms_p50"] <= figures["ttft_ms_p99"]
         assert 0 < figures["itl_ms_p50"] and figures["pieces_per_request"] >= 1
-    assert row["server_overhead_ms_per_token"] == pytest.approx(row["server"]["itl_ms_p50"] - row["api"]["itl_ms_p50"])
+    assert row["server_raw_client_overhead_ms_per_token"] == pytest.approx(
+        row["server_raw_client"]["itl_ms_p50"] - row["api"]["itl_ms_p50"])
     refused = subprocess.run([sys.executable, str(script), "--max-tokens", "1"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "--max-tokens" in refused.stderr

@@ -377,7 +377,8 @@ class Tokenizer:
         """Where each message's text lies in ``rendered``, as [start, end) character spans in order: found
         by rendering again with a marker for each text."""
         markers = [f"\ue000{index}\ue001" for index in range(len(messages))]
-        marked = self.apply_chat_template([{**message, "content": marker} for message, marker in zip(messages, markers)])
+        marked = self.apply_chat_template([{**message, "content": marker}
+                                           for message, marker in zip(messages, markers)])
         spans, pieces, done, shift = [], [], 0, 0
         for message, marker in zip(messages, markers):
             at = marked.find(marker, done)

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from graphrt.serve.errors import ApiError, bad_request
-from graphrt.serve.openai_api import Choice, OpenAIHandlers
+from graphrt.serve.openai_api import Choice, OpenAIHandlers, sse_event
 from graphrt.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -193,11 +193,11 @@ async def until_disconnect(request: Request, work):
 
 
 class EventStream(Response):
-    """Server-sent events: each chunk of ``chunks`` as ``data: {json}``, then ``data: [DONE]``. A client
-    that disconnects stops the stream (its requests are aborted); an error after the first chunk is
-    sent as an event of its own. ``on_close`` runs once the stream ends, however it ends."""
+    """Server-sent events: each of ``events`` (encoded already: ``data: {json}``), then ``data: [DONE]``.
+    A client that disconnects stops the stream (its requests are aborted); an error after the first event
+    is sent as an event of its own. ``on_close`` runs once the stream ends, however it ends."""
 
-    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         # No Response.__init__: it would declare a content-length of 0; the stream's length is unknown.
         self.status_code, self.background = 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -228,21 +228,17 @@ class EventStream(Response):
     async def _send_all(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
-            async for chunk in self._chunks:
-                await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+            async for event in self._chunks:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         except ApiError as exc:
             logger.warning("graphrt serve: a stream ended early: %s", exc.message)
-            await send({"type": "http.response.body", "body": _event(exc.body()), "more_body": True})
+            await send({"type": "http.response.body", "body": sse_event(exc.body()), "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {"Retry-After": "1"} if error.status == 429 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(error.status)
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-def _event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:

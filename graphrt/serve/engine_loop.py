@@ -48,10 +48,17 @@ class _Mailbox:
         self._call(self._decided.set)
 
     def _call(self, function, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(function, *args)
-        except RuntimeError:  # the handler's event loop is closed: nobody is left to read it
-            pass
+        _call_in(self._loop, function, *args)
+
+    @staticmethod
+    def post_all(posts: list[tuple[_Mailbox, RequestOutput]]) -> None:
+        """From the engine's thread: a step's outputs, one wake-up of each event loop they go to (not one
+        per request: each wake-up writes to the loop's self-pipe, and a step may end hundreds)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, RequestOutput]]] = {}
+        for mailbox, output in posts:
+            by_loop.setdefault(mailbox._loop, []).append((mailbox, output))
+        for loop, items in by_loop.items():
+            _call_in(loop, _put_each, items)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self._latest, BaseException) or (isinstance(self._latest, RequestOutput)
@@ -75,6 +82,18 @@ class _Mailbox:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, function, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(function, *args)
+    except RuntimeError:  # the handler's event loop is closed: nobody is left to read it
+        pass
+
+
+def _put_each(items: list[tuple[_Mailbox, RequestOutput]]) -> None:
+    for mailbox, output in items:
+        mailbox._put(output)
 
 
 class EngineLoop:
@@ -168,13 +187,15 @@ class EngineLoop:
         self._mailboxes[request_id] = mailbox
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        posts = []
         for output in outputs:
             mailbox = self._mailboxes.get(output.request_id)
             if mailbox is None:
                 continue
-            mailbox.post(output)
+            posts.append((mailbox, output))
             if output.finished:
                 del self._mailboxes[output.request_id]
+        _Mailbox.post_all(posts)
 
     def _refuse_queued(self, reason: BaseException) -> None:
         while True:

@@ -73,7 +73,8 @@ def uvicorn_server(app, host: str, port: int, limits: ServerLimits, log_level: s
     """A uvicorn server for ``app`` on ``host:port`` under ``limits``' timeouts (not started)."""
     config = uvicorn.Config(
         SendDeadline(app, limits.send_timeout), host=host, port=port, log_level=log_level,
-        http=header_deadline_protocol(limits.header_timeout, limits.keep_alive_timeout), timeout_keep_alive=limits.keep_alive_timeout,
+        http=header_deadline_protocol(limits.header_timeout, limits.keep_alive_timeout),
+        timeout_keep_alive=limits.keep_alive_timeout,
         h11_max_incomplete_event_size=64 * 1024, lifespan="off", server_header=False,
         timeout_graceful_shutdown=5,  # then open streams are cut: stopping must not wait for them to end
     )
