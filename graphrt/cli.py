@@ -16,7 +16,7 @@ from graphrt.base.errors import GraphrtError
 from graphrt.cli_args import (
     add_engine_arguments, add_model_arguments, add_sampling_arguments, comma_separated_ints,
     comma_separated_positive_ints, engine_options, fraction_and_length, kernel_options, length_range,
-    non_negative_int, output_file, port_number, positive_float, positive_int, stop_text,
+    non_negative_int, output_file, port_number, positive_float, positive_int, positive_seconds, stop_text,
 )
 from graphrt.info import collect_info, format_info
 
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answers (choices) in the engine at once (default: --max-num-seqs)")
     serve.add_argument("--max-queued-requests", type=non_negative_int, default=None, metavar="N",
                        help="requests waiting for room beyond those (default: as many; 429 after them)")
-    serve.add_argument("--timeout", type=positive_float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                        help="longest a client may take to send its request or to read a piece of its answer, and "
                        "(a third of it) to send the next request's headers (default 30)")
 

@@ -37,13 +37,21 @@ def comma_separated_positive_ints(text: str) -> list[int]:
 
 
 def positive_float(text: str) -> float:
-    """argparse type for a finite number > 0."""
+    """argparse type for a number > 0 (``inf`` among them: bench-serving's ``--rate inf``)."""
     try:
         value = float(text)
     except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type for a finite number of seconds > 0."""
+    value = positive_float(text)
+    if value == math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
     return value
 
 
