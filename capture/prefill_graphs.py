@@ -42,7 +42,7 @@ from graphrt.base.staging import PackedStaging
 
 logger = logging.getLogger(__name__)
 
-#: Most sequences one prompt graph holds (a step with more runs its prompts eagerly).
+#: Most sequences one prompt graph holds (a step with more replays a graph per group: ``prompt_groups``).
 PREFILL_GRAPH_SEQS = 16
 #: The smallest bucket of tokens; buckets double from here up to the largest.
 MIN_PREFILL_BUCKET = 16
@@ -76,6 +76,26 @@ class PrefillGraphStats:
                 "pool_mib": round(self.pool_bytes / 2**20, 1), "capture_error": self.capture_error,
                 "replays_per_bucket": dict(sorted(self.replays_per_bucket.items())),
                 "padded_tokens": self.padded_tokens}
+
+
+def prompt_groups(query_lens: list[int], table_lens: list[int], max_seqs: int, max_tokens: int,
+                  max_blocks: int) -> list[range] | None:
+    """A prompt step's sequences (their new tokens ``query_lens``, their block tables' lengths
+    ``table_lens``) as consecutive groups of at most ``max_seqs`` sequences and ``max_tokens`` tokens, as
+    few as greedy packing gives; None when one sequence alone has more tokens or blocks than a graph
+    holds. A step of more sequences than one graph holds then replays a few graphs instead of running
+    eagerly, whose launches from the host cost more than the replays."""
+    groups, start, tokens = [], 0, 0
+    for index, (new, width) in enumerate(zip(query_lens, table_lens)):
+        if not 0 < new <= max_tokens or width > max_blocks:
+            return None
+        if index - start == max_seqs or tokens + new > max_tokens:
+            groups.append(range(start, index))
+            start, tokens = index, 0
+        tokens += new
+    if start < len(query_lens):
+        groups.append(range(start, len(query_lens)))
+    return groups or None
 
 
 class PrefillGraphRunner:
@@ -131,6 +151,13 @@ class PrefillGraphRunner:
         table ``longest_table`` blocks, can replay a graph."""
         return (self.ready and 0 < num_tokens <= self.max_tokens and 0 < num_seqs <= self.max_seqs
                 and longest_table <= self.max_blocks_per_seq)
+
+    def groups(self, query_lens: list[int], table_lens: list[int]) -> list[range] | None:
+        """A prompt step's sequences in consecutive groups that each replay a graph (``prompt_groups``),
+        None when none can: graphs not captured, or a sequence that fits no graph alone."""
+        if not self.ready:
+            return None
+        return prompt_groups(query_lens, table_lens, self.max_seqs, self.max_tokens, self.max_blocks_per_seq)
 
     def metadata(self, tokens: int) -> AttentionMetadata:
         """Metadata a graph of ``tokens`` tokens is captured with: views of the static tensors, lengths only

@@ -88,10 +88,10 @@ class EngineConfig:
     #: Never capture CUDA graphs: decode steps, and prompt steps that a prompt graph would hold, run eagerly
     #: through the same static buffers (the same padded shapes, so the same tokens as the graphs).
     enforce_eager: bool = False
-    #: CUDA: a step's prompt tokens (whole prompts or chunks), when at most this many over at most
-    #: ``graphrt.capture.prefill_graphs.PREFILL_GRAPH_SEQS`` sequences, replay a captured forward padded
-    #: to a bucket of tokens (powers of two from 16, capped at this number and at the step's token budget)
-    #: instead of launching every kernel from the host. 0 = prompts always run eagerly at their own shapes;
+    #: CUDA: a step's prompt tokens (whole prompts or chunks) replay a captured forward padded to a bucket
+    #: of tokens (powers of two from 16, capped at this number and at the step's token budget), one replay
+    #: per group of at most ``graphrt.capture.prefill_graphs.PREFILL_GRAPH_SEQS`` sequences and this many
+    #: tokens, instead of launching every kernel from the host. 0 = prompts always run eagerly at their own shapes;
     #: prompt steps that ask for ``prompt_logprobs`` or calibrate KV scales always do.
     prefill_graph_tokens: int = 2048
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,

@@ -171,14 +171,14 @@ class ModelRunner:
         done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.num_tokens]
         tables = [self.block_manager.block_table(seq.seq_id) for seq in seqs]
         graphs = self.prefill_graphs
+        groups = None
+        if graphs is not None and not self.kv_scales_pending and not any(seq.needs_prompt_logprobs for seq in seqs):
+            groups = graphs.groups(query_lens, [len(table) for table in tables])
         with nvtx.prefill(len(seqs), len(input_ids)):
-            if (graphs is not None and not self.kv_scales_pending
-                    and not any(seq.needs_prompt_logprobs for seq in seqs)
-                    and graphs.fits(len(input_ids), len(seqs), max(map(len, tables), default=0))):
-                hidden = graphs.run(input_ids, positions, slots, query_lens, ends, tables)
+            if groups is not None:
+                hidden, last_token_rows = self._prefill_in_graphs(groups, input_ids, positions, slots, query_lens,
+                                                                  ends, tables)
                 scored_prompts = [None] * len(seqs)
-                ends_in_step = itertools.accumulate(query_lens)
-                last_token_rows = pinned_to_device([end - 1 for end in ends_in_step], torch.int64, self.device)
             else:
                 hidden, last_token_rows = self._prefill_eagerly(input_ids, positions, slots, query_lens, ends, tables)
                 scored_prompts = self._score_prompts(seqs, hidden, query_lens)
@@ -205,6 +205,27 @@ class ModelRunner:
             if scored is not None:
                 seq.prompt_logprobs = scored
         return token_ids, logprobs
+
+    def _prefill_in_graphs(self, groups: list[range], input_ids: list[int], positions: list[int], slots: list[int],
+                           query_lens: list[int], ends: list[int], tables: list[list[int]]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt step through prompt graphs, a replay per group of sequences (``PrefillGraphRunner.groups``):
+        hidden states and each sequence's last new row in them, as ``_prefill_eagerly`` gives. With one
+        group, the graph's output itself; with several, each sequence's last row, copied out of each
+        replay's output before the next replay overwrites it."""
+        token_starts = [0, *itertools.accumulate(query_lens)]
+        last_rows: list[torch.Tensor] = []
+        for group in groups:
+            first, stop = token_starts[group.start], token_starts[group.stop]
+            hidden = self.prefill_graphs.run(
+                input_ids[first:stop], positions[first:stop], slots[first:stop], query_lens[group.start:group.stop],
+                ends[group.start:group.stop], tables[group.start:group.stop])
+            rows = pinned_to_device([token_starts[i + 1] - 1 - first for i in group], torch.int64, self.device)
+            if len(groups) == 1:
+                return hidden, rows
+            last_rows.append(hidden[rows])  # a copy: the next replay overwrites the graph's output
+        hidden = torch.cat(last_rows)
+        return hidden, torch.arange(hidden.shape[0], device=self.device)
 
     def _prefill_eagerly(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
                          ends: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

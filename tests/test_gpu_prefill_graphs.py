@@ -34,6 +34,21 @@ def test_prompt_graphs_give_the_tokens_of_eager_prompts(sampling, case):
     assert replayed == eager and again == eager
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_step_of_more_prompts_than_a_graph_holds_replays_several(sampling):
+    """40 prompts in one step, 16 a graph: three replays, the tokens of eager prompts."""
+    prompts = [[(13 * i + 5 * n) % 6000 + 3 for i in range(3 + n % 7)] for n in range(40)]
+    params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=5, max_tokens=6, ignore_eos=True)
+    options = {**OPTIONS, "max_num_seqs": 64}
+    with LLM("random:smollm2-135m", dtype="float32", prefill_graph_tokens=0, **options) as llm:
+        eager = [out.token_ids for out in llm.generate(prompts, params)]
+    with LLM("random:smollm2-135m", dtype="float32", **options) as llm:
+        graphs = llm.engine.prefill_graphs
+        replayed = [out.token_ids for out in llm.generate(prompts, params)]
+        assert sum(graphs.stats.replays_per_bucket.values()) >= 3  # 16 + 16 + 8 sequences in one step
+    assert replayed == eager
+
+
 @pytest.mark.parametrize("case", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=64)],
                          ids=["whole", "chunks64"])
 def test_enforce_eager_runs_the_prompt_graphs_forward_and_gives_their_tokens_bf16(case):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, ConfigError
-from graphrt.capture.prefill_graphs import MIN_PREFILL_BUCKET, PrefillGraphRunner, prefill_buckets
+from graphrt.capture.prefill_graphs import MIN_PREFILL_BUCKET, PrefillGraphRunner, prefill_buckets, prompt_groups
 from graphrt.config import EngineConfig
 
 
@@ -36,3 +36,18 @@ def test_the_cpu_engine_runs_prompts_eagerly():
         assert llm.engine.prefill_graphs is None and llm.engine.runner.prefill_graphs is None
     with pytest.raises(ValueError, match="prompt graphs need a CUDA device"):
         PrefillGraphRunner(None, [], 16, 64, 64, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("query_lens", "table_lens", "groups"), [
+    ([4] * 16, [1] * 16, [range(0, 16)]),  # one graph holds them
+    ([4] * 17, [1] * 17, [range(0, 16), range(16, 17)]),  # more sequences than a graph holds
+    ([4] * 40, [1] * 40, [range(0, 16), range(16, 32), range(32, 40)]),
+    ([8] * 16, [1] * 16, [range(0, 8), range(8, 16)]),  # 128 tokens: two graphs of 64
+    ([40, 30, 40, 5], [3, 2, 3, 1], [range(0, 1), range(1, 2), range(2, 4)]),  # a graph holds 64 tokens
+    ([64, 1], [4, 1], [range(0, 1), range(1, 2)]),
+    ([65], [5], None),  # more tokens than the largest bucket
+    ([8, 8], [1, 9], None),  # a table wider than the graphs'
+    ([], [], None),
+])
+def test_prompt_groups_pack_sequences_into_graphs(query_lens, table_lens, groups):
+    assert prompt_groups(query_lens, table_lens, max_seqs=16, max_tokens=64, max_blocks=8) == groups
