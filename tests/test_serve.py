@@ -287,6 +287,43 @@ def test_bad_completion_fields_get_400_naming_them(served, fields, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+def test_null_fields_mean_their_defaults(served):
+    server, refs = served
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "top_p": None, "n": None,
+            "presence_penalty": None, "echo": None, "logprobs": None, "stop": None, "seed": None}
+    status, reply = _post(server, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and reply["choices"][0]["text"] == refs["completions"][0].text, reply
+    status, reply = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "temperature": None, "logprobs": None}).encode())
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (b"[1, 2]", None, "must be a JSON object"),
+    (b"null", None, "must be a JSON object"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), "messages.0.role", "developer"),
+])
+def test_malformed_bodies_are_named(served, body, param, message):
+    server, _ = served
+    status, reply = _post(server, "/v1/chat/completions", body)
+    assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_templated_stream_chunks_are_the_chunks_a_dict_gives(chat, include_usage):
+    from graphrt.serve.openai_api import StreamEvents
+
+    events = StreamEvents({"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m\u00e9"}, chat,
+                          include_usage)
+    text = ' "quoted"\n\u65e5\u672c \\ end'
+    piece = {"index": 3, **({"delta": {"content": text}} if chat else {"text": text}), "logprobs": None,
+             "finish_reason": None}
+    templated = events.text(3, text)
+    assert templated.startswith(b"data: ") and templated.endswith(b"\n\n")
+    assert json.loads(templated[6:]) == json.loads(events.event([piece])[6:])
+
+
 @pytest.mark.parametrize("number", ["Infinity", "-Infinity", "NaN"])
 def test_non_finite_numbers_get_400(served, number):
     server, _ = served

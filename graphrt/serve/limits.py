@@ -83,8 +83,8 @@ class AdmissionGate:
             self.in_use += slots
             return
         if len(self._waiting) >= self.max_waiting:
-            raise ApiError(429, f"the server is busy: {self.in_use} choices running and {len(self._waiting)} "
-                           "requests queued; retry later", code="rate_limit_exceeded")
+            raise ApiError(429, f"the server is busy (choices running: {self.in_use}, requests queued: "
+                           f"{len(self._waiting)}); retry later", code="rate_limit_exceeded")
         entry = (slots, asyncio.get_running_loop().create_future())
         self._waiting.append(entry)
         try:

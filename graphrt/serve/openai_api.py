@@ -215,7 +215,7 @@ class OpenAIHandlers:
         """The answer as server-sent events: each choice's new text (chat: its role first), its finish
         reason with its last piece; then, with ``include_usage``, a chunk of usage alone."""
         events = StreamEvents(self._envelope("chat.completion.chunk" if chat else "text_completion",
-                                             _request_id(chat)), chat)
+                                             _request_id(chat)), chat, include_usage)
         sent_text = {choice.index: 0 for choice in choices}
         sent_tokens = {choice.index: 0 for choice in choices}
         sent_bytes = {choice.index: bytearray() for choice in choices}  # completions' text_offset counts them
@@ -289,16 +289,17 @@ class StreamEvents:
     created, model). The chunk sent per token and request, new text alone, is written from a template:
     building and encoding its dict took most of the server's time per token under many streams."""
 
-    def __init__(self, envelope: dict, chat: bool) -> None:
-        self.envelope = envelope
-        head = json.dumps(envelope, ensure_ascii=False)[:-1]  # without its closing brace
-        self._text_head = "data: " + head + ',"choices":[{"index":'
+    def __init__(self, envelope: dict, chat: bool, include_usage: bool) -> None:
+        # With include_usage every chunk has a usage field, null but in the last (OpenAI's shape).
+        self.envelope = {**envelope, "usage": None} if include_usage else envelope
+        self._text_head = "data: " + json.dumps(envelope, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
         self._text_key, self._text_close = (',"delta":{"content":', "}") if chat else (',"text":', "")
+        self._text_end = ',"logprobs":null,"finish_reason":null}]' + (',"usage":null' if include_usage else "") + "}"
 
     def text(self, index: int, text: str) -> bytes:
         """The chunk of choice ``index``'s new ``text`` (no logprobs, not its last)."""
         return (f"{self._text_head}{index}{self._text_key}{json.dumps(text, ensure_ascii=False)}{self._text_close}"
-                ',"logprobs":null,"finish_reason":null}]}\n\n').encode()
+                f"{self._text_end}\n\n").encode()
 
     def event(self, choices: list[dict], **fields) -> bytes:
         """A chunk of ``choices`` (and other top-level ``fields``: usage)."""

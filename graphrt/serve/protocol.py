@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphrt.base.errors import InvalidRequestError
+from graphrt.llm import CHAT_ROLES
 from graphrt.sampling.params import SEED_LIMIT, SamplingParams
 from graphrt.serve.errors import bad_request
 
@@ -30,9 +31,17 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Fields completions and chat completions share."""
+    """Fields completions and chat completions share. ``null`` for a field means its default, as in
+    OpenAI's API (clients send it for what they leave unset)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        return {key: value for key, value in data.items() if value is not None}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -138,6 +147,9 @@ class ChatMessage(BaseModel):
     def as_turn(self, index: int) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template: text parts joined; OpenAI's ``developer`` role is
         the system prompt."""
+        if self.role not in CHAT_ROLES and self.role != "developer":
+            raise bad_request(f"messages[{index}].role {self.role!r} is not one of developer, {', '.join(CHAT_ROLES)}",
+                              param=f"messages.{index}.role")
         if self.tool_calls or self.function_call is not None:
             raise bad_request(f"messages[{index}] holds tool calls, which graphrt does not support",
                               param=f"messages.{index}")
