@@ -216,7 +216,9 @@ def test_logprob_tokens_carry_their_bytes(served):
     chat = server.handlers._chat_logprobs(scored)["content"]
     assert b"".join(bytes(entry["bytes"]) for entry in chat) == text.encode()
     assert any(entry["token"].startswith("bytes:\\x") for entry in chat)
-    completion = server.handlers._completion_logprobs(scored, bytearray(), 0)
+    from graphrt.serve.openai_api import TextOffsets
+
+    completion = server.handlers._completion_logprobs(scored, TextOffsets())
     assert completion["tokens"] == [entry["token"] for entry in chat]
     offsets = completion["text_offset"]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)

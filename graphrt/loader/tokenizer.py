@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -362,8 +362,7 @@ class Tokenizer:
         Raises InvalidRequestError when a message spells a special token and the template does not put
         the message's text into the prompt as it is (so it cannot be told apart from the template's).
         """
-        special = {token.content for token in self._backend.get_added_tokens_decoder().values() if token.special}
-        if not any(name in message["content"] for message in messages for name in special):
+        if not any(name in message["content"] for message in messages for name in self._special_texts):
             return self.encode(rendered, add_special_tokens=False)
         spans = self._content_spans(messages, rendered)
         ids, done = [], 0
@@ -372,6 +371,11 @@ class Tokenizer:
             ids += self._plain_text_ids(rendered[start:end])
             done = end
         return ids + self.encode(rendered[done:], add_special_tokens=False)
+
+    @cached_property
+    def _special_texts(self) -> frozenset[str]:
+        """The special tokens' texts (the vocabulary does not change after loading)."""
+        return frozenset(token.content for token in self._backend.get_added_tokens_decoder().values() if token.special)
 
     def _content_spans(self, messages: list[dict[str, str]], rendered: str) -> list[tuple[int, int]]:
         """Where each message's text lies in ``rendered``, as [start, end) character spans in order: found

@@ -97,7 +97,7 @@ def _put_each(items: list[tuple[_Mailbox, RequestOutput]]) -> None:
 
 
 class EngineLoop:
-    """Runs ``engine``'s steps on a daemon thread (``start`` / ``stop``); ``generate`` streams a request."""
+    """Runs ``engine``'s steps on a daemon thread (``start`` / ``stop``); ``submit`` hands it a request."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -213,7 +213,7 @@ class ServedRequest:
     far; the last one finished), ``close`` aborts it unless it finished."""
 
     def __init__(self, loop: EngineLoop, request_id: str, mailbox: _Mailbox) -> None:
-        self._loop, self.request_id, self._mailbox = loop, request_id, mailbox
+        self._engine_loop, self.request_id, self._mailbox = loop, request_id, mailbox
         self.finished = False
         self._closed = False
 
@@ -229,4 +229,4 @@ class ServedRequest:
     def close(self) -> None:
         if not self.finished and not self._closed:
             self._closed = True
-            self._loop.abort(self.request_id)
+            self._engine_loop.abort(self.request_id)

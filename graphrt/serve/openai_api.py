@@ -4,6 +4,7 @@ requests (one per choice), their outputs into OpenAI's response objects, whole o
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -203,7 +204,7 @@ class OpenAIHandlers:
         logprobs = None
         if output.logprobs is not None:
             logprobs = self._chat_logprobs(output.logprobs) if chat else self._completion_logprobs(
-                output.logprobs, bytearray(), len(choice.echo))
+                output.logprobs, TextOffsets(len(choice.echo)))
         if chat:
             return {"index": choice.index, "message": {"role": "assistant", "content": output.text, "refusal": None},
                     "logprobs": logprobs, "finish_reason": output.finish_reason}
@@ -218,7 +219,7 @@ class OpenAIHandlers:
                                              _request_id(chat)), chat, include_usage)
         sent_text = {choice.index: 0 for choice in choices}
         sent_tokens = {choice.index: 0 for choice in choices}
-        sent_bytes = {choice.index: bytearray() for choice in choices}  # completions' text_offset counts them
+        offsets = {choice.index: TextOffsets(len(choice.echo)) for choice in choices}  # completions' text_offset
         completion_tokens = 0
         if chat:
             for choice in choices:
@@ -241,7 +242,7 @@ class OpenAIHandlers:
             logprobs = None
             if output.logprobs is not None:
                 logprobs = (self._chat_logprobs(new_logprobs) if chat else self._completion_logprobs(
-                    new_logprobs, sent_bytes[choice.index], len(choice.echo)))
+                    new_logprobs, offsets[choice.index]))
             piece = {"index": choice.index, "logprobs": logprobs, "finish_reason": output.finish_reason}
             piece.update({"delta": {"content": delta} if delta or not output.finished else {}} if chat
                          else {"text": delta})
@@ -262,18 +263,13 @@ class OpenAIHandlers:
     def _token_label(self, token_id: int) -> str:
         return token_label(self._token_bytes(token_id))
 
-    def _completion_logprobs(self, scored: list[TokenLogprobs], before: bytearray, offset: int) -> dict:
-        """Completions' logprobs of ``scored`` tokens, which follow the bytes ``before`` (of this answer's
-        tokens so far; extended here) and the ``offset`` characters of its echoed prompt: each token's
-        ``text_offset`` counts the whole characters before it."""
-        offsets = []
-        for entry in scored:
-            offsets.append(offset + len(before.decode(errors="ignore")))
-            before += self._token_bytes(entry.token_id)
+    def _completion_logprobs(self, scored: list[TokenLogprobs], offsets: TextOffsets) -> dict:
+        """Completions' logprobs of ``scored`` tokens, which follow what ``offsets`` has counted of this
+        answer (and advances over them)."""
         return {"tokens": [self._token_label(entry.token_id) for entry in scored],
                 "token_logprobs": [entry.logprob for entry in scored],
                 "top_logprobs": [{self._token_label(t): lp for t, lp in entry.top} for entry in scored],
-                "text_offset": offsets}
+                "text_offset": [offsets.advance(self._token_bytes(entry.token_id)) for entry in scored]}
 
     def _chat_logprobs(self, scored: list[TokenLogprobs]) -> dict:
         def described(token_id: int, logprob: float) -> dict:
@@ -282,6 +278,22 @@ class OpenAIHandlers:
 
         return {"content": [{**described(entry.token_id, entry.logprob),
                              "top_logprobs": [described(t, lp) for t, lp in entry.top]} for entry in scored]}
+
+
+class TextOffsets:
+    """Completions' ``text_offset`` of an answer's tokens, one after another: the whole characters before
+    each (after ``start`` characters of echoed prompt), its tokens' bytes decoded as they come (a
+    character split across tokens counts once it is whole)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        self.chars = start
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token of bytes ``data``; counts the characters it completes after it."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return offset
 
 
 class StreamEvents:
