@@ -128,6 +128,42 @@ class AttentionMetadata:
         )
 
     @classmethod
+    def mixed(cls, prefill: AttentionMetadata, decode: AttentionMetadata,
+              slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """One forward over ``prefill``'s tokens then ``decode``'s rows, each part keeping its own
+        tensors (a captured mixed step: the prompt graphs' static buffers and the decode graphs'):
+        ``prefill_metadata`` and ``decode_metadata`` are the two given, not views of one table, and
+        ``slot_mapping`` is the step's [T] int64 slots, prefill tokens first. The joint fields hold the
+        decode part's tensors; nothing reads them across both parts."""
+        if prefill.num_decodes or decode.num_prefills:
+            raise ValueError("mixed metadata takes a prefill-only part and a decode-only part")
+        tokens = prefill.num_prefill_tokens + decode.num_decode_tokens
+        if slot_mapping.shape[0] != tokens:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {tokens} tokens")
+        joint = cls(
+            num_prefills=prefill.num_prefills,
+            num_prefill_tokens=prefill.num_prefill_tokens,
+            num_decode_tokens=decode.num_decode_tokens,
+            query_lens=prefill.query_lens + decode.query_lens,
+            seq_lens=(None if prefill.seq_lens is None or decode.seq_lens is None
+                      else prefill.seq_lens + decode.seq_lens),
+            slot_mapping=slot_mapping,
+            query_lens_tensor=decode.query_lens_tensor,
+            seq_lens_tensor=decode.seq_lens_tensor,
+            query_start_loc=decode.query_start_loc,
+            seq_start_loc=decode.seq_start_loc,
+            block_tables=decode.block_tables,
+            block_size=decode.block_size,
+            max_decode_seq_len=decode.max_decode_seq_len,
+            decode_workspace=decode.decode_workspace,
+            captured=prefill.captured,
+        )
+        # The parts as they are (cached_property reads the instance's dict first).
+        joint.__dict__["prefill_metadata"] = prefill
+        joint.__dict__["decode_metadata"] = decode
+        return joint
+
+    @classmethod
     def from_seqlens(
         cls,
         *,

@@ -72,6 +72,11 @@ def _sample_unfused(logits: torch.Tensor, sampling: SamplingTensors, out: torch.
     return out.copy_(sample(logits, sampling))
 
 
+#: The one sampling mode mixed graphs are captured for: it gives every row the token "greedy" and
+#: "temperature" would (steps whose rows ask for logprobs run their prompt part on its own instead).
+MIXED_SAMPLING_MODE = "sample"
+
+
 class GraphKey(NamedTuple):
     """What one captured decode graph is specialised on."""
 
@@ -79,6 +84,9 @@ class GraphKey(NamedTuple):
     padded_batch: int
     #: One of ``SAMPLING_MODES``: which sampling work the graph holds (``DecodeBatch.sampling_mode``).
     sampling_mode: str
+    #: A mixed graph's prompt tokens (a bucket of the prompt segment's), run before the decode rows in
+    #: the same forward; 0 for a decode-only graph.
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,10 @@ class DecodeGraphRunner:
         #: the sorting sampler; the sorting sampler for a model without one).
         policy = getattr(model, "kernel_policy", None)
         self._sample_into = _sample_unfused if policy is None else policy.sample
+        #: Mixed steps (``add_prompt_segment``): the prompt graph runner whose static buffers hold a step's
+        #: prompt tokens, and the prompt-token buckets mixed graphs are captured for (none: no mixed steps).
+        self.prompt_segment = None
+        self.mixed_buckets: list[int] = []
 
     @property
     def max_seq_len(self) -> int:
@@ -207,6 +219,19 @@ class DecodeGraphRunner:
         """The sampling modes graphs are captured for: all of ``SAMPLING_MODES``, "logprobs" only when
         rows may ask for logprobs (``max_logprobs`` > 0)."""
         return SAMPLING_MODES if self.max_logprobs else tuple(m for m in SAMPLING_MODES if m != "logprobs")
+
+    def add_prompt_segment(self, segment, buckets: list[int]) -> None:
+        """Capture mixed graphs too: a step's prompt tokens (staged in ``segment``, a
+        ``graphrt.capture.prefill_graphs.PrefillGraphRunner``, padded to one of ``buckets``, which must be
+        among its own) and its decode rows in one forward, so the weights are read once for both, and the
+        decode rows sampled in the graph. Before ``capture``."""
+        if self.graphs:
+            raise RuntimeError("add the prompt segment before capturing")
+        unknown = sorted(set(buckets) - set(segment.buckets))
+        if unknown:
+            raise ValueError(f"prompt buckets {unknown} are not among the segment's {segment.buckets}")
+        self.prompt_segment = segment
+        self.mixed_buckets = sorted(set(buckets))
 
     # -- capture -----------------------------------------------------------------------------------
 
@@ -225,6 +250,10 @@ class DecodeGraphRunner:
         reserved_before = torch.cuda.memory_reserved(self.device)
         self._stage(DecodeBatch([], [], [], [], [], [], []), self.max_batch_size)  # every row inert while capturing
         keys = [GraphKey(size, mode) for size in reversed(self.capture_sizes) for mode in self.captured_modes]
+        if self.mixed_buckets:  # the prompt segment's static rows stay inert: staged so by its own capture
+            self.prompt_segment.stage([], [], [], [], [], [], self.mixed_buckets[-1])
+            keys += [GraphKey(size, MIXED_SAMPLING_MODE, tokens) for size in reversed(self.capture_sizes)
+                     for tokens in reversed(self.mixed_buckets)]
         try:
             with torch.inference_mode():
                 side = _capture_stream(self.device)
@@ -246,7 +275,7 @@ class DecodeGraphRunner:
                 for key in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=None if progress else True,
                                 leave=False):
                     graph = torch.cuda.CUDAGraph()
-                    with nvtx.capture(key.padded_batch), torch.cuda.graph(graph, pool=pool):
+                    with nvtx.capture(key.padded_batch, key.prompt_tokens), torch.cuda.graph(graph, pool=pool):
                         self._forward(key)
                     self.graphs[key] = graph
             torch.cuda.synchronize(self.device)
@@ -258,13 +287,16 @@ class DecodeGraphRunner:
             logger.warning("CUDA graph capture failed, decoding eagerly instead: %s", self.stats.capture_error)
             return self.stats
         self.stats.num_graphs = len(self.graphs)
+        self.stats.num_mixed_graphs = sum(1 for key in self.graphs if key.prompt_tokens)
         self.stats.capture_seconds = time.perf_counter() - start
         if self.check_graphs:
             self.graph_check = GraphCheck(self.check_graphs, self._static_inputs())
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        mixed = (f", {self.stats.num_mixed_graphs} of them mixed with {self.mixed_buckets[0]}.."
+                 f"{self.mixed_buckets[-1]} prompt tokens" if self.mixed_buckets else "")
         summary = (
             f"captured {self.stats.num_graphs} decode graphs (batch sizes {self.capture_sizes[0]}.."
-            f"{self.max_batch_size}, context <= {self.max_seq_len}) in {self.stats.capture_seconds:.1f} s, "
+            f"{self.max_batch_size}, context <= {self.max_seq_len}{mixed}) in {self.stats.capture_seconds:.1f} s, "
             f"pool {self.stats.pool_bytes / 2**20:.0f} MiB"
         )
         if progress:  # the line that closes the progress bar, like it on stderr
@@ -303,6 +335,23 @@ class DecodeGraphRunner:
             raise ValueError(f"a row asks for {max(asked)} top logprobs; this runner lists at most "
                              f"{self.max_logprobs} (max_logprobs; 0 = no logprobs)")
         return self._plan(len(batch), max(batch.seq_lens, default=0), batch.sampling_mode)
+
+    def plan_mixed(self, batch: DecodeBatch, prompt_tokens: int) -> DecodePlan | None:
+        """How ``batch`` decodes in one forward with ``prompt_tokens`` prompt tokens staged in the prompt
+        segment before it (``add_prompt_segment``): a mixed graph's replay, or on CUDA with ``enforce_eager``
+        the same forward run eagerly; None when no mixed graph holds the step (no segment, too many prompt
+        tokens, a batch or context the decode graphs do not hold, rows that ask for logprobs, graphs that
+        failed): its prompt part then runs on its own, before the decode."""
+        if not self.mixed_buckets or batch.sampling_mode == "logprobs":
+            return None
+        tokens = choose_bucket(self.mixed_buckets, prompt_tokens) if prompt_tokens > 0 else None
+        plan = self.plan(batch)
+        if tokens is None or not plan.static_buffers or plan.eager_reason not in (None, EagerReason.ENFORCE_EAGER):
+            return None
+        if plan.eager_reason is None and not self.graphs:
+            return None  # not captured yet
+        return DecodePlan(plan.rows, GraphKey(plan.key.padded_batch, MIXED_SAMPLING_MODE, tokens), plan.eager_reason,
+                          True)
 
     def _padded_key(self, rows: int, mode: str) -> GraphKey:
         return GraphKey(choose_bucket(self.capture_sizes, rows), mode)
@@ -345,7 +394,7 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def launch(self, batch: DecodeBatch, carry_input_ids: bool = False,
-               carry_rows: Sequence[int] | None = None) -> PendingTokens:
+               carry_rows: Sequence[int] | None = None, *, plan: DecodePlan | None = None) -> PendingTokens:
         """Queue one decode step of ``batch`` (plan, prepare, replay or eager forward, the copy of its
         tokens to pinned host memory) without waiting for it; its tokens come from the returned
         ``result()``, the rows' log probabilities (rows whose params set ``logprobs``) from its
@@ -359,13 +408,14 @@ class DecodeGraphRunner:
         a gather of the ids, on the device, before the replay. Needs the previous launch to have run
         through the static buffers with the rows named (the first ``len(batch)`` without ``carry_rows``),
         and ``batch`` to run through them too (``can_carry``); ValueError otherwise, with nothing queued.
-        A row asking for more top logprobs than ``max_logprobs`` is a ValueError too.
+        A row asking for more top logprobs than ``max_logprobs`` is a ValueError too. ``plan``: one
+        ``plan_mixed`` made for this batch (its prompt part staged in the segment), else ``plan(batch)``.
 
         Two launches may await ``result()`` at once; a third first reads the tokens of the oldest (waits
         for it; its ``result()`` still returns them), whose pinned buffer it reuses. A launch's refresh
         waits until the previous refresh's copy has run, so staging is never rewritten early.
         """
-        plan = self.plan(batch)
+        plan = self.plan(batch) if plan is None else plan
         carry_input_ids, carry_rows = self._check_carry(batch, plan, carry_input_ids, carry_rows)
         buffers = self._host_buffers[self._next_host_buffers]
         if buffers.holder is not None:
@@ -405,6 +455,8 @@ class DecodeGraphRunner:
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Queue the planned step; returns the [rows] int64 device tensor its tokens land in and, for a
         logprob step, the (values, ids) tensors its rows' logprobs land in."""
+        if plan.key.prompt_tokens:
+            self.stats.mixed_steps += 1
         if plan.replays:
             self.stats.replays_per_bucket[plan.key.padded_batch] += 1
             self.stats.padded_rows += plan.key.padded_batch - plan.rows
@@ -459,7 +511,7 @@ class DecodeGraphRunner:
         if self.graph_check is not None:
             self._replay_checked(plan)
             return
-        with nvtx.decode_replay(plan.rows, plan.key.padded_batch):
+        with nvtx.decode_replay(plan.rows, plan.key.padded_batch, plan.key.prompt_tokens):
             self.graphs[plan.key].replay()
 
     def _outputs(self, plan: DecodePlan) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -494,7 +546,7 @@ class DecodeGraphRunner:
         due = check.count_replay()
         ids = self.inputs.input_ids[: key.padded_batch]
         inputs = ids.clone() if due else None  # the replay overwrites them with its tokens
-        with nvtx.decode_replay(rows, key.padded_batch):
+        with nvtx.decode_replay(rows, key.padded_batch, key.prompt_tokens):
             self.graphs[key].replay()
         if not due:
             return
@@ -516,6 +568,9 @@ class DecodeGraphRunner:
             "positions": self.inputs.positions, "sampling": self.sampling, "logits": self.logits,
             "logprob_values": self.logprob_values, "logprob_ids": self.logprob_ids, "kv_caches": self.kv_caches,
         })
+        if self.prompt_segment is not None:  # a mixed graph's prompt inputs and last rows
+            inputs.update(static_tensors({"prompt_segment": self.prompt_segment.packed.device,
+                                          "prompt_last_hidden": self.prompt_segment.last_hidden}))
         inputs.update((f"model.{name}", tensor) for name, tensor in self.model.named_parameters())
         inputs.update((f"model.{name}", tensor) for name, tensor in self.model.named_buffers())
         return inputs
@@ -528,17 +583,29 @@ class DecodeGraphRunner:
         return self.logits[:batch_size]
 
     def _forward(self, key: GraphKey, attention_bound: int | None = None) -> None:
-        """The captured region: static inputs [:size] -> next_tokens[:size] (and logits, logprobs).
+        """The captured region: static inputs [:size] -> next_tokens[:size] (and logits, logprobs). A
+        mixed key's prompt tokens (the segment's static inputs) go first in the same forward; their
+        sequences' last rows land in the segment's ``last_hidden``.
 
         ``attention_bound`` lowers the attention bound below the captured maximum (eager steps only)."""
-        size, mode = key
+        size, mode, prompt_tokens = key
         metadata = self.backend.graph_metadata(self.graph_state, size)
         if attention_bound is not None:
             metadata.max_decode_seq_len = attention_bound
+        ids, positions = self.inputs.input_ids[:size], self.inputs.positions[:size]
+        if prompt_tokens:
+            prompt_ids, prompt_positions, prompt_slots, prompt_metadata = self.prompt_segment.segment_inputs(
+                prompt_tokens)
+            ids, positions = torch.cat([prompt_ids, ids]), torch.cat([prompt_positions, positions])
+            metadata = AttentionMetadata.mixed(prompt_metadata, metadata,
+                                               torch.cat([prompt_slots, metadata.slot_mapping]))
+        hidden = self.model(ids, positions, self.kv_caches, metadata)  # [prompt_tokens + size, hidden]
+        if prompt_tokens:
+            self.prompt_segment.keep_last_rows(hidden[:prompt_tokens])
+            hidden = hidden[prompt_tokens:]
         logprobs = (self.logprob_values[:size], self.logprob_ids[:size]) if mode == "logprobs" else None
-        self._run_model(self.inputs.input_ids[:size], self.inputs.positions[:size], metadata,
-                        self._sampling_view(size, mode), self.next_tokens[:size],
-                        None if self.logits is None else self.logits[:size], logprobs)
+        self._sample_rows(hidden, self._sampling_view(size, mode), self.next_tokens[:size],
+                          None if self.logits is None else self.logits[:size], logprobs)
 
     def _decode_unbuffered(self, batch: DecodeBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Eager decode with per-step tensors, for batches the static buffers cannot hold."""
@@ -556,11 +623,11 @@ class DecodeGraphRunner:
             width = 1 + self.num_top_logprobs
             logprobs = (torch.empty(len(batch), width, dtype=torch.float32, device=self.device),
                         torch.empty(len(batch), width, dtype=torch.int64, device=self.device))
-        self._run_model(ids, positions, metadata, sampling, tokens, None, logprobs)
+        self._sample_rows(self.model(ids, positions, self.kv_caches, metadata), sampling, tokens, None, logprobs)
         return tokens, logprobs
 
-    def _run_model(self, ids, positions, metadata, sampling, tokens_out, logits_out, logprobs_out) -> None:
-        hidden = self.model(ids, positions, self.kv_caches, metadata)  # [B, hidden]
+    def _sample_rows(self, hidden, sampling, tokens_out, logits_out, logprobs_out) -> None:
+        """hidden: [B, hidden], the rows' final states -> their tokens (and logits, logprobs) in the outputs."""
         logits = self.model.compute_logits(hidden)  # [B, V] float32
         if logits_out is not None:
             logits_out.copy_(logits)
@@ -594,7 +661,7 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.closed = True
         self.graph_check = None
-        self.model = self.kv_caches = None
+        self.model = self.kv_caches = self.prompt_segment = None
         self.graph_state = self.inputs = self._static_sampling = self.sampling = None
         self.next_tokens = None
         self.logits = self.logprob_values = self.logprob_ids = None

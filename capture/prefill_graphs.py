@@ -60,6 +60,15 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return buckets + [max_tokens]
 
 
+def mixed_buckets(prompt_buckets: list[int], max_tokens: int) -> list[int]:
+    """The prompt-token buckets mixed graphs are captured for: those of ``prompt_buckets`` (the prompt
+    graphs', ascending) from a quarter of ``max_tokens`` up to it (the largest below a quarter when none
+    lies between; none when every bucket exceeds ``max_tokens``). A quarter: each bucket adds a graph per
+    decode batch size, and a prompt part far below the smallest is padded to it."""
+    held = [size for size in prompt_buckets if size <= max_tokens]
+    return [size for size in held if size * 4 >= max_tokens] or held[-1:]
+
+
 @dataclass
 class PrefillGraphStats:
     """What the prompt graphs did: graphs captured, replays by bucket, steps that ran eagerly and why."""
@@ -127,8 +136,13 @@ class PrefillGraphRunner:
             ("seq_lens", torch.int32, (seqs,)),
             ("query_start_loc", torch.int32, (seqs + 1,)),
             ("seq_start_loc", torch.int32, (seqs + 1,)),
+            ("last_rows", torch.int64, (seqs,)),
             ("block_tables", torch.int32, (seqs, width)),  # last: a refresh copies a prefix of its rows
         ], device)
+        #: [max_seqs, hidden] in the model dtype: in a mixed step (``DecodeGraphRunner``'s mixed graphs) each
+        #: sequence's last new row, gathered by ``keep_last_rows`` (a static buffer outside every pool).
+        self.last_hidden = torch.zeros(seqs, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                                       device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         #: [bucket, hidden] in the model dtype: each graph's final hidden states (in the graphs' pool).
         self.outputs: dict[int, torch.Tensor] = {}
@@ -180,6 +194,19 @@ class PrefillGraphRunner:
             captured=True,
         )
 
+    def segment_inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A mixed step's prompt part, padded to ``tokens``: the static ids, positions and slots [tokens]
+        int64 and the captured metadata, as ``stage`` left them (``DecodeGraphRunner``'s mixed graphs put
+        them before the decode rows)."""
+        device = self.packed.device
+        return (device["input_ids"][:tokens], device["positions"][:tokens], device["slot_mapping"][:tokens],
+                self.metadata(tokens))
+
+    def keep_last_rows(self, hidden: torch.Tensor) -> None:
+        """Inside a mixed step: each staged sequence's last new row of ``hidden`` [tokens, hidden] (the
+        prompt part's final hidden states) into ``last_hidden`` (unused sequence rows: row 0)."""
+        torch.index_select(hidden, 0, self.packed.device["last_rows"], out=self.last_hidden)
+
     # -- capture -----------------------------------------------------------------------------------
 
     def capture(self, progress: bool = True) -> PrefillGraphStats:
@@ -190,7 +217,7 @@ class PrefillGraphRunner:
         start = time.perf_counter()
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        self._stage([], [], [], [], [], [], self.max_tokens)  # every token and sequence inert
+        self.stage([], [], [], [], [], [], self.max_tokens)  # every token and sequence inert
         try:
             with torch.inference_mode():
                 side = torch.cuda.Stream(self.device)
@@ -252,7 +279,7 @@ class PrefillGraphRunner:
             raise ValueError(f"a prompt step of {num_tokens} tokens over {len(query_lens)} sequences "
                              f"(longest table {longest} blocks) has no graph")
         tokens = self.bucket(num_tokens)
-        self._stage(input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens)
+        self.stage(input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens)
         self.stats.padded_tokens += tokens - num_tokens
         if self.eager:
             return self._forward(tokens)[:num_tokens]
@@ -260,9 +287,10 @@ class PrefillGraphRunner:
         self.stats.replays_per_bucket[tokens] = self.stats.replays_per_bucket.get(tokens, 0) + 1
         return self.outputs[tokens][:num_tokens]
 
-    def _stage(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens: int) -> None:
+    def stage(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables, tokens: int) -> None:
         """Write the real tokens and sequences, then inert padding up to ``tokens`` tokens and ``max_seqs``
-        sequences, into the staging mirror; copy it to the device (through the used block-table rows)."""
+        sequences, into the staging mirror; copy it to the device (through the used block-table rows).
+        A replay (``run``, or a mixed step's) reads them next."""
         packed = self.packed
         packed.wait_until_uploaded()
         host, n, seqs = packed.host, len(input_ids), len(query_lens)
@@ -279,6 +307,10 @@ class PrefillGraphRunner:
         host["query_start_loc"][0] = host["seq_start_loc"][0] = 0
         np.cumsum(host["query_lens"], out=host["query_start_loc"][1:])
         np.cumsum(host["seq_lens"], out=host["seq_start_loc"][1:])
+        last_rows = host["last_rows"]
+        last_rows[:seqs] = host["query_start_loc"][1:seqs + 1]
+        last_rows[:seqs] -= 1
+        last_rows[seqs:] = 0
         tables = host["block_tables"]
         for row, table in enumerate(block_tables):
             tables[row, :len(table)] = table
@@ -291,5 +323,6 @@ class PrefillGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.kv_caches = []
+        self.last_hidden = None
         self.ready = False
         self.closed = True

@@ -24,7 +24,11 @@ class DecodeStats:
     #: Padding rows added to reach a bucket, summed over replays.
     padded_rows: int = 0
     eager_steps: Counter = field(default_factory=Counter)
+    #: Steps whose prompt tokens ran in the decode's forward (``DecodeGraphRunner.plan_mixed``), replayed or eager.
+    mixed_steps: int = 0
     num_graphs: int = 0
+    #: Of ``num_graphs``, the mixed ones (prompt tokens and decode rows in one graph).
+    num_mixed_graphs: int = 0
     capture_seconds: float = 0.0
     pool_bytes: int = 0
     capture_error: str | None = None
@@ -36,7 +40,9 @@ class DecodeStats:
             "replays_per_bucket": dict(sorted(self.replays_per_bucket.items())),
             "padded_rows": self.padded_rows,
             "eager_steps": dict(self.eager_steps),
+            "mixed_steps": self.mixed_steps,
             "num_graphs": self.num_graphs,
+            "num_mixed_graphs": self.num_mixed_graphs,
             "capture_seconds": round(self.capture_seconds, 3),
             "pool_mib": round(self.pool_bytes / 2**20, 1),
             "capture_error": self.capture_error,

@@ -184,6 +184,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                         help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
                         "prompt tokens of one prefill, at least --max-model-len)")
+    parser.add_argument("--mixed-step-tokens", type=non_negative_int, default=256, metavar="N",
+                        help="CUDA: a step that decodes and has at most N prompt tokens runs them in the decode's own "
+                        "forward (a mixed graph), reading the weights once for both (default 256; 0: prompt and "
+                        "decode forwards run one after the other)")
     parser.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     parser.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                         help="read each decode step's tokens before queueing the next (default on CUDA: the next "
@@ -206,7 +210,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "async_decode": args.async_decode, "speculative": args.speculative,
         "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prefix_caching": args.enable_prefix_caching,
         "swap_space_bytes": args.swap_space_mib << 20, "max_num_batched_tokens": args.max_num_batched_tokens,
-        **kernel_options(args),
+        "mixed_step_tokens": args.mixed_step_tokens, **kernel_options(args),
     }
 
 

@@ -94,6 +94,11 @@ class EngineConfig:
     #: tokens, instead of launching every kernel from the host. 0 = prompts always run eagerly at their own shapes;
     #: prompt steps that ask for ``prompt_logprobs`` or calibrate KV scales always do.
     prefill_graph_tokens: int = 2048
+    #: CUDA: a step that decodes and has at most this many prompt tokens (whole short prompts, or chunks)
+    #: runs them in the decode's own forward, through mixed graphs captured per decode batch size for
+    #: prompt-token buckets from a quarter of this number up to it (capped by the prompt graphs'), so the
+    #: weights are read once for both; larger prompt parts run their own forward first. 0 = never.
+    mixed_step_tokens: int = 256
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
     #: trimmed to max_num_seqs.
     capture_sizes: list[int] | None = None
@@ -172,8 +177,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not is_count(self.prefill_graph_tokens):
-            raise ConfigError(f"prefill_graph_tokens must be an integer >= 0, got {self.prefill_graph_tokens!r}")
+        for name in ("prefill_graph_tokens", "mixed_step_tokens"):
+            if not is_count(getattr(self, name)):
+                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens is not None and (
                 isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
                 or self.max_num_batched_tokens < 1):

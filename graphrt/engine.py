@@ -19,7 +19,7 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.block_manager import BlockManager
 from graphrt.capture import DecodeGraphRunner, PendingTokens, choose_bucket
-from graphrt.capture.prefill_graphs import PrefillGraphRunner
+from graphrt.capture.prefill_graphs import PrefillGraphRunner, mixed_buckets
 from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
                             resolve_kv_cache_dtype)
 from graphrt.host_memory import return_freed_host_memory
@@ -118,6 +118,10 @@ class LLMEngine:
                            "kept and nothing is calibrated")
         #: Captured prompt steps (None: prompts run eagerly; ``EngineConfig.prefill_graph_tokens``).
         self.prefill_graphs = self._prefill_graphs(kv_caches)
+        if self.prefill_graphs is not None and config.mixed_step_tokens:
+            buckets = mixed_buckets(self.prefill_graphs.buckets, config.mixed_step_tokens)
+            if buckets:
+                self.decode_runner.add_prompt_segment(self.prefill_graphs, buckets)
         if not self.calibrate_kv_scales:
             self.decode_runner.capture(progress=progress)
             if self.prefill_graphs is not None:

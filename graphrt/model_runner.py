@@ -2,15 +2,17 @@
 
 A step's prompt tokens replay a captured prompt graph padded to a bucket of tokens when one holds
 them (``graphrt.capture.prefill_graphs``), else run eagerly; its decodes go through the decode graph
-runner, which replays a captured CUDA graph when it can. A step with both runs the prompt forward
-first, then the decode replay: two forwards, so that new prompts never knock running sequences off
-their graphs.
+runner, which replays a captured CUDA graph when it can. A step with both runs them in one forward
+where a mixed graph holds it (the prompt tokens first, then the decode rows: the weights are read once
+for both, and the decodes sample inside the graph); otherwise the prompt forward first, then the
+decode replay, so that new prompts never knock running sequences off their graphs.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +34,34 @@ from graphrt.sampling.sampler import SamplingTensors
 from graphrt.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PromptStep:
+    """A step's prompt tokens: per token its id, position and cache slot; per sequence its new tokens,
+    its length after them and its block table."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    ends: list[int]
+    tables: list[list[int]]
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], lengths: list[int] | None, block_manager: BlockManager) -> _PromptStep:
+        """Each sequence's uncomputed tokens, ``lengths[i]`` of them when given (a chunk)."""
+        step = cls([], [], [], [], [], [])
+        for index, seq in enumerate(seqs):
+            start = seq.num_computed_tokens
+            end = seq.num_tokens if lengths is None else min(seq.num_tokens, start + lengths[index])
+            step.input_ids.extend(seq.all_token_ids[start:end])
+            step.positions.extend(range(start, end))
+            step.slots.extend(block_manager.slots(seq.seq_id, start, end))
+            step.query_lens.append(end - start)
+            step.ends.append(end)
+            step.tables.append(block_manager.block_table(seq.seq_id))
+        return step
 
 
 class ModelRunner:
@@ -75,6 +105,10 @@ class ModelRunner:
         ``prefills[i]``'s uncomputed tokens to run (default all); a prefill whose chunk stops short of
         its last token samples nothing (token None). Scores the prompts of prefills that asked for
         prompt logprobs (``Sequence.prompt_logprobs``)."""
+        if prefills and decodes:
+            mixed = self._execute_mixed(prefills, decodes, prefill_tokens)
+            if mixed is not None:
+                return mixed
         tokens, logprobs = self._prefill(prefills, prefill_tokens) if prefills else ([], [])
         if decodes:
             with nvtx.decode(len(decodes)):
@@ -148,6 +182,37 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def _execute_mixed(self, prefills: list[Sequence], decodes: list[Sequence], lengths: list[int] | None
+                       ) -> tuple[list[int | None], list[TokenLogprobs | None]] | None:
+        """``execute`` in one forward (a mixed graph, ``DecodeGraphRunner.plan_mixed``); None, having run
+        nothing, when none holds the step: prompt logprobs or KV scales to calibrate, more prompt tokens
+        or sequences than the prompt segment holds, a decode batch the decode graphs do not."""
+        graphs = self.prefill_graphs
+        if (graphs is None or self.kv_scales_pending or not self.decode_runner.mixed_buckets
+                or any(seq.needs_prompt_logprobs for seq in prefills)):
+            return None
+        step = _PromptStep.build(prefills, lengths, self.block_manager)
+        if not graphs.fits(len(step.input_ids), len(prefills), max(map(len, step.tables))):
+            return None
+        batch = self._decode_batch(decodes)
+        plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))
+        if plan is None:
+            return None
+        with nvtx.mixed(len(prefills), len(step.input_ids), len(decodes)):
+            graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens, step.ends, step.tables,
+                         plan.key.prompt_tokens)
+            pending = self.decode_runner.launch(batch, plan=plan)
+            token_ids, logprobs = self._sample_prompts(prefills, step, graphs.last_hidden,
+                                                       torch.arange(len(prefills), device=self.device))
+            token_ids += pending.result()
+            logprobs += pending.logprobs()
+        for seq, end in zip(prefills, step.ends):
+            seq.num_computed_tokens = end
+        for seq in decodes:
+            seq.num_computed_tokens = seq.num_tokens
+        return token_ids, logprobs
+
+    @torch.inference_mode()
     def _prefill(self, seqs: list[Sequence], lengths: list[int] | None = None
                  ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """One forward over every sequence's uncomputed tokens (``lengths[i]`` of them: a chunk,
@@ -155,21 +220,9 @@ class ModelRunner:
         else eager), then one sampled token (and its logprobs where
         asked) for each sequence whose chunk reached its last token, None for the others; prompts that
         ask are scored too (their prefill is whole)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        ends: list[int] = []
-        for index, seq in enumerate(seqs):
-            start = seq.num_computed_tokens
-            end = seq.num_tokens if lengths is None else min(seq.num_tokens, start + lengths[index])
-            input_ids.extend(seq.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.block_manager.slots(seq.seq_id, start, end))
-            query_lens.append(end - start)
-            ends.append(end)
-        done = [row for row, (seq, end) in enumerate(zip(seqs, ends)) if end == seq.num_tokens]
-        tables = [self.block_manager.block_table(seq.seq_id) for seq in seqs]
+        step = _PromptStep.build(seqs, lengths, self.block_manager)
+        input_ids, positions, slots, query_lens, ends, tables = (
+            step.input_ids, step.positions, step.slots, step.query_lens, step.ends, step.tables)
         graphs = self.prefill_graphs
         groups = None
         if graphs is not None and not self.kv_scales_pending and not any(seq.needs_prompt_logprobs for seq in seqs):
@@ -182,28 +235,37 @@ class ModelRunner:
             else:
                 hidden, last_token_rows = self._prefill_eagerly(input_ids, positions, slots, query_lens, ends, tables)
                 scored_prompts = self._score_prompts(seqs, hidden, query_lens)
-        token_ids: list[int | None] = [None] * len(seqs)
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        if done:
-            sampled_seqs = [seqs[row] for row in done]
-            if len(done) < len(seqs):  # each finished prompt's last new token
-                last_token_rows = last_token_rows[torch.tensor(done, device=last_token_rows.device)]
-            logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
-            with nvtx.range("sample"):
-                sampling = SamplingTensors.from_params(
-                    [seq.params for seq in sampled_seqs],
-                    seeds=[seq.seed for seq in sampled_seqs],
-                    steps=[len(seq.output_token_ids) for seq in sampled_seqs],
-                    device=self.device,
-                )
-                sampled = self._sample(logits, sampling)
-                sampled_logprobs = rows_logprobs(logits, sampled, [seq.params.logprobs for seq in sampled_seqs])
-                for row, token_id, token_logprobs in zip(done, sampled.tolist(), sampled_logprobs):
-                    token_ids[row], logprobs[row] = token_id, token_logprobs  # the tokens' copy came first
+        token_ids, logprobs = self._sample_prompts(seqs, step, hidden, last_token_rows)
         for seq, end, scored in zip(seqs, ends, scored_prompts):
             seq.num_computed_tokens = end
             if scored is not None:
                 seq.prompt_logprobs = scored
+        return token_ids, logprobs
+
+    def _sample_prompts(self, seqs: list[Sequence], step: _PromptStep, hidden: torch.Tensor,
+                        last_token_rows: torch.Tensor) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """One token (and its logprobs where asked) for each sequence whose chunk reached its prompt's
+        end, None for the others; ``hidden[last_token_rows[i]]`` is sequence i's last new row."""
+        token_ids: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        done = [row for row, (seq, end) in enumerate(zip(seqs, step.ends)) if end == seq.num_tokens]
+        if not done:
+            return token_ids, logprobs
+        sampled_seqs = [seqs[row] for row in done]
+        if len(done) < len(seqs):  # each finished prompt's last new token
+            last_token_rows = last_token_rows[torch.tensor(done, device=last_token_rows.device)]
+        logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
+        with nvtx.range("sample"):
+            sampling = SamplingTensors.from_params(
+                [seq.params for seq in sampled_seqs],
+                seeds=[seq.seed for seq in sampled_seqs],
+                steps=[len(seq.output_token_ids) for seq in sampled_seqs],
+                device=self.device,
+            )
+            sampled = self._sample(logits, sampling)
+            sampled_logprobs = rows_logprobs(logits, sampled, [seq.params.logprobs for seq in sampled_seqs])
+            for row, token_id, token_logprobs in zip(done, sampled.tolist(), sampled_logprobs):
+                token_ids[row], logprobs[row] = token_id, token_logprobs  # the tokens' copy came first
         return token_ids, logprobs
 
     def _prefill_in_graphs(self, groups: list[range], input_ids: list[int], positions: list[int], slots: list[int],

@@ -256,7 +256,8 @@ def main(args) -> int:
     if args.speculative is not None:
         options["speculative"] = args.speculative
     options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-                   max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20)
+                   max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20,
+                   mixed_step_tokens=args.mixed_step_tokens)
     try:
         llm = LLM(args.model, **options)
     except ConfigError as exc:
@@ -279,6 +280,7 @@ def main(args) -> int:
         hit_rate = (hit / queried if queried else 0.0) if manager.prefix_caching else None
         device = engine.device
         prompt_graphs = None if engine.prefill_graphs is None else engine.prefill_graphs.stats.as_dict()
+        decode_graphs = engine.decode_runner.stats.as_dict()
     summary = summarize(timings, duration, hit_rate, running)
     print(format_summary(summary))
     if args.json:
@@ -288,7 +290,9 @@ def main(args) -> int:
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
                        "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
-                       "max_num_batched_tokens": engine.max_num_batched_tokens, "prompt_graphs": prompt_graphs,
+                       "max_num_batched_tokens": engine.max_num_batched_tokens,
+                       "mixed_step_tokens": args.mixed_step_tokens, "prompt_graphs": prompt_graphs,
+                       "decode_graphs": decode_graphs,
                        **summary}, f, indent=2)
     if args.plot:
         rate = "offline" if math.isinf(spec.rate) else f"{spec.rate:g} req/s"

@@ -5,11 +5,13 @@ and decode the running sequences in the same step.
 the recorded steps, a new request of --prompt-len tokens arrives every --arrival-every steps
 (--arrivals in all), each generating --max-tokens tokens. With --enable-chunked-prefill each prompt runs
 in chunks over several steps, the step's decodes and chunk sharing --max-num-batched-tokens; a step
-that runs prompt tokens (a whole prompt or a chunk) counts as a prefill step. A step with an arrival shows
-``step`` > ``schedule``, ``prefill seqs=1 tokens=T`` (the prompt's eager forward, with its ``sample``),
-then ``decode batch=B`` > ``decode.prepare`` + ``decode.replay batch=B padded=P`` for the running
-sequences (two forwards, so that new prompts never knock running sequences off their graphs); the
-other steps are decode-only, their batch growing as arrivals join (and shrinking as they finish).
+that runs prompt tokens (a whole prompt or a chunk) counts as a prefill step. A step with at most
+--mixed-step-tokens prompt tokens runs them and the decodes in one forward: ``step`` > ``schedule``,
+``mixed seqs=1 tokens=T batch=B`` > ``decode.prepare`` + ``decode.replay batch=B padded=P prompt=C``
+(then the ``sample`` of a prompt it finishes); a larger one shows ``prefill seqs=1 tokens=T`` (the
+prompt's forward, with its ``sample``), then ``decode batch=B`` > ``decode.prepare`` +
+``decode.replay batch=B padded=P`` for the running sequences. The other steps are decode-only, their
+batch growing as arrivals join (and shrinking as they finish).
 
 Nsight Systems:
 
@@ -51,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="prompts in chunks over several steps")
     parser.add_argument("--prefill-graph-tokens", type=int, default=2048,
                         help="prompt steps of at most this many tokens replay prompt graphs (0: eager prompts)")
+    parser.add_argument("--mixed-step-tokens", type=int, default=256,
+                        help="steps of at most this many prompt tokens run them in the decode's forward (0: never)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="with --enable-chunked-prefill: most tokens a step runs (default 2048)")
     parser.add_argument("--nvtx-layers", action="store_true", help="a 'layer N' range per decoder layer (eager)")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=(args.max_num_batched_tokens if args.enable_chunked_prefill
                                 else max(args.batch_size * args.context, args.prompt_len + max_seqs)),
         enable_chunked_prefill=args.enable_chunked_prefill, prefill_graph_tokens=args.prefill_graph_tokens,
-        enforce_eager=args.enforce_eager, nvtx=True,
+        mixed_step_tokens=args.mixed_step_tokens, enforce_eager=args.enforce_eager, nvtx=True,
         nvtx_layers=args.nvtx_layers, **kernel_options(args),
     ), progress=False)
     rng = random.Random(0)

@@ -24,9 +24,14 @@
 #   serving-steps                      mixed_prefill_decode.py: 32 decoding at 2048 while 2048-token prompts arrive,
 #                                      whole or in chunks of 256 / 512-token steps, prompt graphs off and on
 #                                      (torch.profiler of two; the traces go to /tmp, their summaries to the logs)
+#   mixed-steps                        mixed_prefill_decode.py as serving-steps, chunks of 128-512-token budgets in
+#                                      mixed steps (one forward) beside a prompt forward then the decode's
+#   prefix-prefill-tiles               bench_prefix_prefill.py: the prefix-prefill kernel's tiles for a prompt part
+#                                      over a long cached context
 #   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
-#                                      with step budgets of 256, 512, 1024 tokens
+#                                      with step budgets of 256, 512, 1024 tokens (BUDGETS=, RATE=, MIXED= set them)
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
+#                                      (MIXED= sets --mixed-step-tokens)
 #   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
 #                                      the defaults, then chunked prefill with prefix caching
 #   serve-overhead                     bench_serve.py: the default model streamed by 1 and 32 clients through graphrt
@@ -181,6 +186,20 @@ for stage in $stages; do
           | tee "$OUT/serving_steps_${label}_$TAG.txt" || status=1
       done
       ;;
+    mixed-steps)
+      # mode: name, step budget, mixed_step_tokens (0: a prompt forward, then the decode's)
+      for mode in chunked128:128:0 chunked128:128:256 chunked256:256:0 chunked256:256:256 chunked512:512:512; do
+        IFS=: read -r name budget mixed <<< "$mode"
+        log "mixed_prefill_decode.py: 32 decoding at 2048, a 2048-token prompt every 8 steps, $name, mixed $mixed"
+        python profiles/mixed_prefill_decode.py --batch-size 32 --context 2048 --prompt-len 2048 --arrivals 6 \
+          --arrival-every 8 --max-tokens 16 --enable-chunked-prefill --max-num-batched-tokens "$budget" \
+          --mixed-step-tokens "$mixed" | tee "$OUT/mixed_steps_${name}_mixed${mixed}_$TAG.txt" || status=1
+      done
+      ;;
+    prefix-prefill-tiles)
+      log "bench_prefix_prefill.py: the prefix-prefill kernel's tiles for prompt parts over long contexts"
+      python profiles/bench_prefix_prefill.py --json "$OUT/prefix_prefill_tiles_$TAG.json" || status=1
+      ;;
     serving-chunked)
       log "graphrt bench: the 1B shape's decode step at batch 32, context 2048 (the ITL to hold under arrivals)"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 32 --contexts 2048 \
@@ -191,7 +210,9 @@ for stage in $stages; do
         log "graphrt bench-serving: 2048-token prompts, 1024 tokens out, ${RATE:-12} a second, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate "${RATE:-12}" --num-requests 160 --prompt-len 2048 \
           --output-len 1024 $([ "$budget" != 0 ] && echo --enable-chunked-prefill --max-num-batched-tokens "$budget") \
-          --json "$OUT/serving_${mode}_llama1b_$TAG.json" --plot "$OUT/serving_${mode}_llama1b_$TAG.png" || status=1
+          ${MIXED:+--mixed-step-tokens "$MIXED"} \
+          --json "$OUT/serving_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.json" \
+          --plot "$OUT/serving_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.png" || status=1
       done
       ;;
     serving-prefix)
@@ -199,7 +220,8 @@ for stage in $stages; do
         log "graphrt bench-serving: every request starts with one 1500-token prefix, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate 4 --num-requests 64 --prompt-len 64:32 \
           --output-len 64 --shared-prefix 1:1500 $([ "$mode" = cached ] && echo --enable-prefix-caching) \
-          --json "$OUT/serving_prefix_${mode}_llama1b_$TAG.json" || status=1
+          ${MIXED:+--mixed-step-tokens "$MIXED"} \
+          --json "$OUT/serving_prefix_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.json" || status=1
       done
       ;;
     serving-offline)

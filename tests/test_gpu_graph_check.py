@@ -40,7 +40,7 @@ def test_real_graphs_pass_and_a_corrupted_graph_is_caught(dtype, record_property
                 runner._forward(GraphKey(1, "greedy"))
         finally:
             del model.compute_logits
-        runner.graphs[(1, "greedy")] = graph
+        runner.graphs[GraphKey(1, "greedy")] = graph
 
         again = llm.generate([prompts[0]], params)[0]
         assert again.token_ids == alone.token_ids  # the failing step kept its eager result, later steps ran eagerly

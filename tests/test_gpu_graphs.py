@@ -11,7 +11,7 @@ import torch
 
 from graphrt import LLM, SamplingParams
 from graphrt.attention.graph_state import PAD_SLOT
-from graphrt.capture import SAMPLING_MODES, DecodeBatch, DecodeGraphRunner
+from graphrt.capture import SAMPLING_MODES, DecodeBatch, DecodeGraphRunner, GraphKey
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,7 +136,7 @@ def test_garbage_in_padding_rows_changes_nothing_real(setup):
     state.seq_start_loc[1:9] = torch.cumsum(state.seq_lens[:8], 0)
     for row, table in enumerate(larger.block_tables[5:8], start=5):
         state.block_tables[row, : len(table)] = torch.tensor(table, dtype=state.block_tables.dtype)
-    runner.graphs[(8, "sample")].replay()
+    runner.graphs[GraphKey(8, "sample")].replay()
     assert runner.next_tokens[:5].tolist() == clean_tokens
     assert torch.equal(runner.last_logits(5), clean_logits)
     for layer, (kv, expected) in enumerate(zip(caches, kv_clean)):  # every block but the null block

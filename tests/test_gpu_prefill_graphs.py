@@ -96,7 +96,7 @@ def test_a_replay_equals_the_eager_forward_of_its_bucket_and_writes_only_its_slo
             assert torch.equal(now.nan_to_num(7.0), then.nan_to_num(7.0))
         # The eager forward of the same staged (padded) inputs: the same kernels at the same shapes.
         bucket = graphs.bucket(25)
-        graphs._stage(*chunk, bucket)
+        graphs.stage(*chunk, bucket)
         with torch.inference_mode():
             eager_padded = graphs._forward(bucket)[:25]
             eager, _ = runner._prefill_eagerly(*chunk)

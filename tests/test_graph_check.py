@@ -40,7 +40,7 @@ def checked_runner(llm: LLM, every: int, faults: dict[int, object] | None = None
     runner.eager_reason = None  # as after a successful capture
     for size in runner.capture_sizes:
         for mode in runner.captured_modes:
-            runner.graphs[(size, mode)] = StandInGraph(runner, size, mode, (faults or {}).get(size))
+            runner.graphs[GraphKey(size, mode)] = StandInGraph(runner, size, mode, (faults or {}).get(size))
     runner.graph_check = GraphCheck(every, runner._static_inputs())
     return runner
 
@@ -91,7 +91,7 @@ def test_a_diverging_bucket_is_logged_once_and_sent_to_eager(llm, fault, caplog)
         assert failure.max_logit_diff == pytest.approx(0.5)
     assert caplog.text.count("decode graph check failed for bucket 2") == 1
     assert runner.stats.eager_steps[EagerReason.GRAPH_CHECK_FAILED] == 2
-    assert runner.graphs[(2, "greedy")].replays == 1 and runner.graphs[(4, "greedy")].replays == 1
+    assert runner.graphs[GraphKey(2, "greedy")].replays == 1 and runner.graphs[GraphKey(4, "greedy")].replays == 1
 
 
 def test_only_every_nth_replay_is_rerun(llm):
@@ -112,7 +112,7 @@ def test_a_moved_static_input_is_caught_before_the_replay(llm, caplog):
     [failure] = runner.graph_check.failures
     assert failure.reason == "inputs_moved" and failure.moved == ["kv_caches.0"]
     assert "static inputs moved since capture: kv_caches.0" in caplog.text
-    assert runner.graphs[(1, "greedy")].replays == 1  # the step after the move ran eagerly
+    assert runner.graphs[GraphKey(1, "greedy")].replays == 1  # the step after the move ran eagerly
     runner.decode(batch_of(1, 2))
     assert runner.stats.eager_steps[EagerReason.GRAPH_CHECK_FAILED] == 1
 

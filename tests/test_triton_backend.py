@@ -59,3 +59,44 @@ def test_mixed_step_matches_reference(num_heads, num_kv_heads, window):
 def test_triton_backend_needs_cuda():
     reason = TritonAttentionBackend.unusable_reason(torch.device("cpu"))
     assert "CUDA" in reason
+
+
+def test_mixed_metadata_of_two_parts_gives_the_joint_steps_output():
+    """``AttentionMetadata.mixed``: a prefill part and a decode part built apart (their own tensors, block
+    tables of other widths, as a mixed graph's prompt and decode buffers are) give the joint step's output
+    and cache bit for bit."""
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 64, 16, 12
+    generator = torch.Generator().manual_seed(5)
+    context_lens, query_lens = [18, 0, 16, 30], [5, 3, 1, 1]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    slots = [tables[i][p // block_size] * block_size + p % block_size
+             for i, (c, n) in enumerate(zip(context_lens, seq_lens)) for p in range(c, n)]
+    tokens = sum(query_lens)
+    cache = torch.randn(2, num_blocks, block_size * num_kv_heads * head_size, generator=generator)
+    query, key, value = (torch.randn(tokens, heads * head_size, generator=generator)
+                         for heads in (num_heads, num_kv_heads, num_kv_heads))
+
+    def metadata(first: int, end: int, num_prefills: int, width: int) -> AttentionMetadata:
+        first_token, end_token = sum(query_lens[:first]), sum(query_lens[:end])
+        return AttentionMetadata.from_seqlens(
+            query_lens=query_lens[first:end], seq_lens=seq_lens[first:end], num_prefills=num_prefills,
+            block_tables=[t + [0] * (width - len(t)) for t in tables[first:end]],
+            slot_mapping=slots[first_token:end_token], block_size=block_size, device=DEVICE)
+
+    prefill, decode = metadata(0, 2, 2, 2), metadata(2, 4, 0, 5)
+    joint_slots = torch.cat([prefill.slot_mapping, decode.slot_mapping])
+    outputs = []
+    for step in (metadata(0, 4, 2, 2), AttentionMetadata.mixed(prefill, decode, joint_slots)):
+        impl = TritonAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
+        kv = cache.clone().to(DEVICE)
+        out = impl.forward(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), kv, step)
+        outputs.append((out.cpu(), kv.cpu()))
+    (joint, joint_cache), (mixed, mixed_cache) = outputs
+    assert not joint.isnan().any()
+    assert torch.equal(mixed, joint) and torch.equal(mixed_cache, joint_cache)
+    with pytest.raises(ValueError, match="slot_mapping has 9 entries for 10 tokens"):
+        AttentionMetadata.mixed(prefill, decode, joint_slots[:-1])
+    with pytest.raises(ValueError, match="a prefill-only part and a decode-only part"):
+        AttentionMetadata.mixed(decode, prefill, joint_slots)

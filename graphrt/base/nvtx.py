@@ -12,9 +12,13 @@ A range's message is its name, optionally followed by a space and ``key=value`` 
 - ``step``: one ``LLMEngine.step``; ``schedule``, ``prefill``/``decode`` and ``sample`` nest in it.
 - ``schedule``: choosing the step's sequences and KV blocks.
 - ``prefill seqs=S tokens=T``: inputs, forward and logits of the step's S prompts (T new tokens).
+- ``mixed seqs=S tokens=T batch=B``: a step whose S prompts' T new tokens and B decodes run in one
+  forward (a mixed graph): ``decode.prepare`` and ``decode.replay ... prompt=C`` nest in it, then the
+  ``sample`` of the prompts it finishes.
 - ``decode batch=B``: the step's decode of B sequences (after its prefill, if any); holds one of:
 - ``decode.prepare``: refreshing the static inputs of a CUDA graph, then
-  ``decode.replay batch=B padded=P``: replaying the graph captured for padded batch P; or
+  ``decode.replay batch=B padded=P``: replaying the graph captured for padded batch P (a mixed graph's:
+  ``decode.replay batch=B padded=P prompt=C``, C the prompt tokens' bucket); or
 - ``decode.eager batch=B reason=R``: an eager decode, R saying why it is not a replay (the graph
   runner's ``EagerReason``: ``enforce_eager``, ``no_cuda``, ``capture_failed``, ``batch_too_large``,
   ``context_too_long``).
@@ -23,7 +27,8 @@ A range's message is its name, optionally followed by a space and ``key=value`` 
   launched the call before).
 - ``sample``: sampling after an eager forward and its device-to-host copy (so it also shows the wait
   for the GPU); a decode graph samples inside the replay.
-- ``capture bucket=P``: capturing the decode graph for padded batch P.
+- ``capture bucket=P``: capturing the decode graph for padded batch P (``capture bucket=P prompt=C``: a
+  mixed graph's).
 - ``layer N``: decoder layer N (0-based) of a forward.
 
 Per-layer ranges have their own switch (``layers``, ``GRAPHRT_NVTX_LAYERS=1``), which implies the
@@ -115,11 +120,12 @@ _domain = None  # nvtx.Domain once a tool was found
 _push = _pop = None  # the domain's bound push_range / pop_range
 #: Cached ranges, one dict per kind, keyed by the details' values.
 _named: dict[str, _Range] = {}
-_prefills: dict[tuple[int, int, int], _Range] = {}
+_prefills: dict[tuple[int, int], _Range] = {}
+_mixed: dict[tuple[int, int, int], _Range] = {}
 _decodes: dict[int, _Range] = {}
-_replays: dict[tuple[int, int], _Range] = {}
+_replays: dict[tuple[int, int, int], _Range] = {}
 _eagers: dict[tuple[int, str], _Range] = {}
-_captures: dict[int, _Range] = {}
+_captures: dict[tuple[int, int], _Range] = {}
 _layer_ranges: dict[int, _Range] = {}
 
 
@@ -161,7 +167,7 @@ def _activate(domain) -> None:
     """Use ``domain`` (an ``nvtx.Domain``, or a stand-in with the same three methods) from now on."""
     global _domain, _push, _pop
     _domain, _push, _pop = domain, domain.push_range, domain.pop_range
-    for cache in (_named, _prefills, _decodes, _replays, _eagers, _captures, _layer_ranges):
+    for cache in (_named, _prefills, _mixed, _decodes, _replays, _eagers, _captures, _layer_ranges):
         cache.clear()
     for name in STATIC_NAMES:
         _build(_named, name, name)
@@ -210,6 +216,17 @@ def prefill(num_seqs: int, num_tokens: int):
     return _build(_prefills, key, f"prefill seqs={num_seqs} tokens={num_tokens}")
 
 
+def mixed(num_seqs: int, num_tokens: int, batch: int):
+    """``mixed seqs=S tokens=T batch=B``: one forward over S prompts' T new tokens and B decodes."""
+    if not _enabled:
+        return NULL_RANGE
+    key = (num_seqs, num_tokens, batch)
+    found = _mixed.get(key)
+    if found is not None:
+        return found
+    return _build(_mixed, key, f"mixed seqs={num_seqs} tokens={num_tokens} batch={batch}")
+
+
 def decode(batch: int):
     """``decode batch=B``: a decode-only step of B sequences."""
     if not _enabled:
@@ -228,13 +245,17 @@ def decode_wait():
     return range("decode.wait")
 
 
-def decode_replay(batch: int, padded: int):
-    """``decode.replay batch=B padded=P``: replaying bucket P's graph for B real sequences."""
+def decode_replay(batch: int, padded: int, prompt_tokens: int = 0):
+    """``decode.replay batch=B padded=P``: replaying bucket P's graph for B real sequences; a mixed graph's,
+    with C prompt tokens before them: ``decode.replay batch=B padded=P prompt=C``."""
     if not _enabled:
         return NULL_RANGE
-    key = (batch, padded)
+    key = (batch, padded, prompt_tokens)
     found = _replays.get(key)
-    return found if found is not None else _build(_replays, key, f"decode.replay batch={batch} padded={padded}")
+    if found is not None:
+        return found
+    prompt = f" prompt={prompt_tokens}" if prompt_tokens else ""
+    return _build(_replays, key, f"decode.replay batch={batch} padded={padded}{prompt}")
 
 
 def decode_eager(batch: int, reason: str):
@@ -246,12 +267,16 @@ def decode_eager(batch: int, reason: str):
     return found if found is not None else _build(_eagers, key, f"decode.eager batch={batch} reason={reason}")
 
 
-def capture(bucket: int):
-    """``capture bucket=P``: capturing the decode graph for padded batch P."""
+def capture(bucket: int, prompt_tokens: int = 0):
+    """``capture bucket=P``: capturing the decode graph for padded batch P (``capture bucket=P prompt=C``:
+    a mixed graph's, with C prompt tokens)."""
     if not _enabled:
         return NULL_RANGE
-    found = _captures.get(bucket)
-    return found if found is not None else _build(_captures, bucket, f"capture bucket={bucket}")
+    key = (bucket, prompt_tokens)
+    found = _captures.get(key)
+    if found is not None:
+        return found
+    return _build(_captures, key, f"capture bucket={bucket}" + (f" prompt={prompt_tokens}" if prompt_tokens else ""))
 
 
 def layer(index: int):
