@@ -180,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="swap preemption, as for generate")
     serving.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                          help="most tokens a step runs, as for generate")
-    serving.add_argument("--mixed-step-tokens", type=non_negative_int, default=256, metavar="N",
-                         help="mixed steps, as for generate (default 256; 0: off)")
+    serving.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",
+                         help="mixed steps, as for generate (default 512; 0: off)")
     serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
     serving.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
 

@@ -184,9 +184,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                         help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
                         "prompt tokens of one prefill, at least --max-model-len)")
-    parser.add_argument("--mixed-step-tokens", type=non_negative_int, default=256, metavar="N",
+    parser.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",
                         help="CUDA: a step that decodes and has at most N prompt tokens runs them in the decode's own "
-                        "forward (a mixed graph), reading the weights once for both (default 256; 0: prompt and "
+                        "forward (a mixed graph), reading the weights once for both (default 512; 0: prompt and "
                         "decode forwards run one after the other)")
     parser.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     parser.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,

@@ -1,7 +1,7 @@
 """The prefix-prefill kernel's tiles for one prompt part over a long cached context, the shape of a chunked
 prefill step or a prompt after a cached prefix (Llama-3.2-1B's attention: 32 query / 8 KV heads, head size 64,
-bf16, page 16): median microseconds a layer for each (rows a program, keys a step), beside the tiles the
-kernel picks today (``_tiles``). One program walks its sequence's whole context, so few row tiles over a
+bf16, page 16): median microseconds a layer for each (rows a program, keys a step; context splits for 64 x 64), beside
+what the launcher picks (``_tiles``, ``choose_num_splits``). One program walks its sequence's whole context, so few row tiles over a
 long context leave most SMs idle: the sweep says which tile heights pay.
 
     python profiles/bench_prefix_prefill.py --json profiles/results/prefix_prefill_tiles_h200.json
@@ -19,7 +19,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 64, 16
 POINTS = [(64, 1536), (96, 2048), (128, 1500), (224, 2048), (480, 2048), (2048, 0)]  # (new tokens, cached context)
 
 
-def bench_point(new_tokens: int, context: int, block_r: int | None, block_n: int | None) -> float:
+def bench_point(new_tokens: int, context: int, block_r: int | None, block_n: int | None,
+                num_splits: int | None = None) -> float:
     generator = torch.Generator(device="cuda").manual_seed(new_tokens + context)
     seq_len = context + new_tokens
     blocks = -(-seq_len // BLOCK_SIZE)
@@ -35,7 +36,7 @@ def bench_point(new_tokens: int, context: int, block_r: int | None, block_n: int
 
     def run():
         kernel.triton_prefix_prefill(query, key, value, cache, table, starts, lens, new_tokens, HEAD_SIZE**-0.5,
-                                     out=out, block_r=block_r, block_n=block_n)
+                                     out=out, block_r=block_r, block_n=block_n, num_splits=num_splits)
 
     return do_bench(run, warmup=20, rep=100, return_mode="median") * 1e3
 
@@ -46,15 +47,19 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for new_tokens, context in POINTS:
-        chosen = kernel._tiles(new_tokens * NUM_HEADS // NUM_KV_HEADS, triton_next_pow2(HEAD_SIZE))
-        row = {"new_tokens": new_tokens, "context": context, "chosen": list(chosen[:2]),
+        rows = new_tokens * NUM_HEADS // NUM_KV_HEADS
+        chosen = kernel._tiles(rows, triton_next_pow2(HEAD_SIZE))
+        splits = kernel.choose_num_splits(-(-rows // chosen[0]), NUM_KV_HEADS, torch.device("cuda"))
+        row = {"new_tokens": new_tokens, "context": context, "chosen": [*chosen[:2], splits],
                "chosen_us": bench_point(new_tokens, context, None, None), "tiles": {}}
         for block_r in (16, 32, 64, 128):
             for block_n in (32, 64):
-                row["tiles"][f"{block_r}x{block_n}"] = bench_point(new_tokens, context, block_r, block_n)
+                for num_splits in ((1, 2, 4, 8) if (block_r, block_n) == (64, 64) else (1,)):
+                    name = f"{block_r}x{block_n}" + (f"/{num_splits}" if num_splits > 1 else "")
+                    row["tiles"][name] = bench_point(new_tokens, context, block_r, block_n, num_splits)
         best = min(row["tiles"], key=row["tiles"].get)
-        print(f"new {new_tokens:5d} context {context:5d}: chosen {chosen[0]}x{chosen[1]} {row['chosen_us']:8.1f} us; "
-              f"best {best} {row['tiles'][best]:8.1f} us; "
+        print(f"new {new_tokens:5d} context {context:5d}: chosen {chosen[0]}x{chosen[1]}/{splits} "
+              f"{row['chosen_us']:8.1f} us; best {best} {row['tiles'][best]:8.1f} us; "
               + " ".join(f"{name} {us:.1f}" for name, us in row["tiles"].items()), flush=True)
         results.append(row)
     if args.json:

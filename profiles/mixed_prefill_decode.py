@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="prompts in chunks over several steps")
     parser.add_argument("--prefill-graph-tokens", type=int, default=2048,
                         help="prompt steps of at most this many tokens replay prompt graphs (0: eager prompts)")
-    parser.add_argument("--mixed-step-tokens", type=int, default=256,
+    parser.add_argument("--mixed-step-tokens", type=int, default=512,
                         help="steps of at most this many prompt tokens run them in the decode's forward (0: never)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="with --enable-chunked-prefill: most tokens a step runs (default 2048)")

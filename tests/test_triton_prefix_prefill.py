@@ -55,6 +55,7 @@ class Case:
     alibi: bool = False
     window: int | None = None
     tiles: tuple[int, int] | None = None  # (block_r, block_n) override; None: the launcher's choice
+    splits: int | None = None  # context splits; None: the launcher's choice (1 on the CPU)
 
 
 def _alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -114,6 +115,7 @@ def run_case(case: Case, seed: int) -> None:
         out,
         block_r=block_r,
         block_n=block_n,
+        num_splits=case.splits,
     )
     out = out.cpu().float()
     assert not out.isnan().any(), "an output row was left unwritten or read a slot it does not own"
@@ -151,6 +153,14 @@ CPU_CASES = {
                                           torch.float32, tiles=(16, 16)),
     "fp32-mqa-d80-window9-alibi": Case(4, 1, 80, 16, [0, 16, 29], [12, 3, 20], torch.float32, alibi=True,
                                        window=9, tiles=(16, 16)),
+    # The cached context split across programs: more splits than some contexts have key tiles (empty
+    # splits), a window that leaves the first splits nothing, an fp8 cache.
+    "split3-fp32-gqa2-d64-boundaries": Case(4, 2, 64, 16, _boundary_contexts(16, 70), [2, 3, 18, 1, 4, 6],
+                                            torch.float32, tiles=(16, 16), splits=3),
+    "split5-bf16-mqa-d80-window-alibi": Case(4, 1, 80, 16, [0, 29, 64], [12, 3, 20], torch.bfloat16, alibi=True,
+                                             window=9, tiles=(16, 16), splits=5),
+    "split2-fp8-gqa4-d64": Case(4, 1, 64, 16, [0, 31, 50], [4, 2, 6], torch.float16, fp8_cache=True,
+                                tiles=(16, 16), splits=2),
 }
 
 
@@ -191,6 +201,10 @@ def _gpu_cases() -> dict[str, Case]:
     cases["window256-gqa4-d128"] = Case(32, 8, 128, 16, window=256, **mixed)
     cases["window33-mqa-d64-fp16"] = Case(16, 1, 64, 32, dtype=torch.float16, window=33, **mixed)
     cases["window-alibi-fp8-gqa8-d128"] = Case(32, 4, 128, 16, alibi=True, window=100, fp8_cache=True, **mixed)
+    # Forced context splits (the automatic choice splits only short chunks: the 1B shape's below).
+    cases["split4-gqa4-d128"] = Case(32, 8, 128, 16, splits=4, **mixed)
+    cases["split8-window33-mqa-d64-fp16"] = Case(16, 1, 64, 32, dtype=torch.float16, window=33, splits=8, **mixed)
+    cases["auto-splits-1b-chunk"] = Case(32, 8, 64, 16, [0, 1500, 2047], [96, 64, 1], dtype=torch.bfloat16)
     return cases
 
 
