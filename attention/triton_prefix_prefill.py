@@ -240,10 +240,9 @@ def _combine_splits_kernel(
              mask=mask)
 
 
-def _tiles(rows: int, head_pad: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_N, num_warps): rows of (token, head) pairs per program, keys per step. 64 x 64 for
-    heads up to 128: on the H200 12-24 % faster than 128-row tiles over every measured prompt part, 64 to
-    2,048 tokens (``profiles/results/prefix_prefill_tiles_before_splits_h200.json``)."""
+def choose_tiles(rows: int, head_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_N, num_warps): rows of (token, head) pairs per program, keys per step (64 x 64 for
+    heads up to 128: the tile sweep in profiles/notes_serving.md)."""
     block_r = 64
     block_r = max(16, min(block_r, triton.next_power_of_2(rows)))
     block_n = 64 if head_pad <= 128 else 32
@@ -298,7 +297,7 @@ def triton_prefix_prefill(
     (sizes the grid); scale: softmax scale; sliding_window W: a query at position p sees keys k <= p with
     p - k < W; alibi_slopes: [H] float, adds ``slope[h] * (k - p)``; out: optional [T, H, D] to write
     (allocated when None). block_r/block_n override the tile sizes (tests); num_splits the context splits
-    (None: ``choose_num_splits``; a launch shape, fixed by ``max_query_len`` alone, so a captured graph
+    (None: 1 for now; ``choose_num_splits`` is the intended choice; a launch shape, fixed by ``max_query_len`` alone, so a captured graph
     keeps it). Returns out.
     Semantics: ``attention.reference.attend`` per sequence with its cached prefix as context.
     """
@@ -327,11 +326,12 @@ def triton_prefix_prefill(
 
     per_kv = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_size)
-    auto_r, auto_n, num_warps = _tiles(max_query_len * per_kv, head_pad)
+    auto_r, auto_n, num_warps = choose_tiles(max_query_len * per_kv, head_pad)
     block_r, block_n = block_r or auto_r, block_n or auto_n
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else query  # unread without ALiBi
     row_tiles = triton.cdiv(max_query_len * per_kv, block_r)
-    num_splits = num_splits or choose_num_splits(row_tiles, num_kv_heads, query.device)
+    # Splits run only when asked until their GPU tests and timing have run (profiles/notes_serving.md).
+    num_splits = num_splits or 1
     if num_splits > 1:  # float32 partials per split, then weighed together
         partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
         partial_max = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=out.device)

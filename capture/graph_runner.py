@@ -250,7 +250,7 @@ class DecodeGraphRunner:
         reserved_before = torch.cuda.memory_reserved(self.device)
         self._stage(DecodeBatch([], [], [], [], [], [], []), self.max_batch_size)  # every row inert while capturing
         keys = [GraphKey(size, mode) for size in reversed(self.capture_sizes) for mode in self.captured_modes]
-        if self.mixed_buckets:  # the prompt segment's static rows stay inert: staged so by its own capture
+        if self.mixed_buckets:  # mixed graphs warm up and capture over inert prompt rows too
             self.prompt_segment.stage([], [], [], [], [], [], self.mixed_buckets[-1])
             keys += [GraphKey(size, MIXED_SAMPLING_MODE, tokens) for size in reversed(self.capture_sizes)
                      for tokens in reversed(self.mixed_buckets)]

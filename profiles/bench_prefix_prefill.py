@@ -1,7 +1,7 @@
 """The prefix-prefill kernel's tiles for one prompt part over a long cached context, the shape of a chunked
 prefill step or a prompt after a cached prefix (Llama-3.2-1B's attention: 32 query / 8 KV heads, head size 64,
 bf16, page 16): median microseconds a layer for each (rows a program, keys a step; context splits for 64 x 64), beside
-what the launcher picks (``_tiles``, ``choose_num_splits``). One program walks its sequence's whole context, so few row tiles over a
+what the launcher picks (``choose_tiles``, ``choose_num_splits``). One program walks its sequence's whole context, so few row tiles over a
 long context leave most SMs idle: the sweep says which tile heights pay.
 
     python profiles/bench_prefix_prefill.py --json profiles/results/prefix_prefill_tiles_h200.json
@@ -48,7 +48,7 @@ def main() -> None:
     results = []
     for new_tokens, context in POINTS:
         rows = new_tokens * NUM_HEADS // NUM_KV_HEADS
-        chosen = kernel._tiles(rows, triton_next_pow2(HEAD_SIZE))
+        chosen = kernel.choose_tiles(rows, triton_next_pow2(HEAD_SIZE))
         splits = kernel.choose_num_splits(-(-rows // chosen[0]), NUM_KV_HEADS, torch.device("cuda"))
         row = {"new_tokens": new_tokens, "context": context, "chosen": [*chosen[:2], splits],
                "chosen_us": bench_point(new_tokens, context, None, None), "tiles": {}}
