@@ -19,24 +19,34 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = dict(rtol=0.0, atol=6e-3) if DEVICE.type == "cuda" else dict(rtol=1e-6, atol=2e-6)
 
 
+HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 64, 16, 12
+#: One prompt with 18 cached tokens and 5 new, one fresh prompt of 3, and two decodes.
+CONTEXT_LENS, QUERY_LENS = [18, 0, 16, 30], [5, 3, 1, 1]
+SEQ_LENS = [c + q for c, q in zip(CONTEXT_LENS, QUERY_LENS)]
+
+
+def mixed_step_inputs(num_heads: int, num_kv_heads: int, seed: int):
+    """The step above on shuffled blocks: block tables, slots, a random cache [2, blocks, page] and the
+    step's query [T, H * D], key and value [T, KVH * D], float32."""
+    generator = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in SEQ_LENS]
+    slots = [tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for i, (c, n) in enumerate(zip(CONTEXT_LENS, SEQ_LENS)) for p in range(c, n)]
+    tokens = sum(QUERY_LENS)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE * num_kv_heads * HEAD_SIZE, generator=generator)
+    query, key, value = (torch.randn(tokens, heads * HEAD_SIZE, generator=generator)
+                         for heads in (num_heads, num_kv_heads, num_kv_heads))
+    return tables, slots, cache, query, key, value
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (4, 1)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_mixed_step_matches_reference(num_heads, num_kv_heads, window):
-    head_size, block_size, num_blocks = 64, 16, 12
-    generator = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + (window or 0))
-    scale = head_size**-0.5
-    # One prompt with 18 cached tokens and 5 new, one fresh prompt of 3, and two decodes.
-    context_lens, query_lens = [18, 0, 16, 30], [5, 3, 1, 1]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (c, n) in enumerate(zip(context_lens, seq_lens)) for p in range(c, n)]
-    tokens = sum(query_lens)
-    cache = torch.randn(2, num_blocks, block_size * num_kv_heads * head_size, generator=generator)
-    query = torch.randn(tokens, num_heads * head_size, generator=generator)
-    key = torch.randn(tokens, num_kv_heads * head_size, generator=generator)
-    value = torch.randn(tokens, num_kv_heads * head_size, generator=generator)
+    head_size, block_size, scale = HEAD_SIZE, BLOCK_SIZE, HEAD_SIZE**-0.5
+    query_lens, seq_lens = QUERY_LENS, SEQ_LENS
+    tables, slots, cache, query, key, value = mixed_step_inputs(num_heads, num_kv_heads,
+                                                                num_heads * 10 + num_kv_heads + (window or 0))
 
     def run(backend):
         metadata = AttentionMetadata.from_seqlens(
@@ -65,18 +75,9 @@ def test_mixed_metadata_of_two_parts_gives_the_joint_steps_output():
     """``AttentionMetadata.mixed``: a prefill part and a decode part built apart (their own tensors, block
     tables of other widths, as a mixed graph's prompt and decode buffers are) give the joint step's output
     and cache bit for bit."""
-    num_heads, num_kv_heads, head_size, block_size, num_blocks = 4, 2, 64, 16, 12
-    generator = torch.Generator().manual_seed(5)
-    context_lens, query_lens = [18, 0, 16, 30], [5, 3, 1, 1]
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (c, n) in enumerate(zip(context_lens, seq_lens)) for p in range(c, n)]
-    tokens = sum(query_lens)
-    cache = torch.randn(2, num_blocks, block_size * num_kv_heads * head_size, generator=generator)
-    query, key, value = (torch.randn(tokens, heads * head_size, generator=generator)
-                         for heads in (num_heads, num_kv_heads, num_kv_heads))
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, HEAD_SIZE, BLOCK_SIZE
+    query_lens, seq_lens = QUERY_LENS, SEQ_LENS
+    tables, slots, cache, query, key, value = mixed_step_inputs(num_heads, num_kv_heads, seed=5)
 
     def metadata(first: int, end: int, num_prefills: int, width: int) -> AttentionMetadata:
         first_token, end_token = sum(query_lens[:first]), sum(query_lens[:end])
