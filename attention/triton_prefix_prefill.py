@@ -297,8 +297,8 @@ def triton_prefix_prefill(
     (sizes the grid); scale: softmax scale; sliding_window W: a query at position p sees keys k <= p with
     p - k < W; alibi_slopes: [H] float, adds ``slope[h] * (k - p)``; out: optional [T, H, D] to write
     (allocated when None). block_r/block_n override the tile sizes (tests); num_splits the context splits
-    (None: 1 for now; ``choose_num_splits`` is the intended choice; a launch shape, fixed by ``max_query_len`` alone, so a captured graph
-    keeps it). Returns out.
+    (None: ``choose_num_splits``, a launch shape fixed by ``max_query_len`` alone, so a captured graph keeps
+    it). Returns out.
     Semantics: ``attention.reference.attend`` per sequence with its cached prefix as context.
     """
     num_tokens, num_heads, head_size = query.shape
@@ -330,8 +330,7 @@ def triton_prefix_prefill(
     block_r, block_n = block_r or auto_r, block_n or auto_n
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else query  # unread without ALiBi
     row_tiles = triton.cdiv(max_query_len * per_kv, block_r)
-    # Splits run only when asked until their GPU tests and timing have run (profiles/notes_serving.md).
-    num_splits = num_splits or 1
+    num_splits = num_splits or choose_num_splits(row_tiles, num_kv_heads, query.device)
     if num_splits > 1:  # float32 partials per split, then weighed together
         partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
         partial_max = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=out.device)

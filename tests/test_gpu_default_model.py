@@ -107,7 +107,29 @@ def runs():
                         prompts=prompts, tokens=[out.token_ids for out in outputs],
                         stats=llm.engine.decode_runner.stats.as_dict(),
                         speculative=llm.engine.speculative_stats if method != "off" else None)
+    for dtype, dtype_options in dtypes.items():  # arrivals: each question while the earlier ones decode
+        with LLM(progress=False, **dtype_options) as llm:
+            prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
+            tokens = arriving(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+            results[dtype, "arrivals", "off"] = dict(prompts=prompts, tokens=tokens,
+                                                      stats=llm.engine.decode_runner.stats.as_dict(), speculative=None)
     return results
+
+
+def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> list[list[int]]:
+    """Token ids of each prompt added ``every`` steps after the one before (the engine's step loop, as a
+    server runs it): with the default ``mixed_step_tokens`` a prompt arriving beside decodes shares their
+    forward."""
+    engine, tokens = llm.engine, {}
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(index))
+        for _ in range(every):
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    return [tokens[str(index)] for index in range(len(prompts))]
 
 
 def test_readme_question_gets_paris_in_the_default_configuration(capsys):
@@ -128,11 +150,14 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mode", ["graphs", "eager"])
-@pytest.mark.parametrize("speculation", ["off", "ngram"])
+@pytest.mark.parametrize("mode, speculation", [("graphs", "off"), ("eager", "off"), ("graphs", "ngram"),
+                                               ("eager", "ngram"), ("arrivals", "off")])
 def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, record_property):
-    """Speculation's output is judged as the plain output is: against HF float32 on its own sequence."""
+    """Speculation's output and that of prompts arriving beside decodes (mixed steps) are judged as the
+    plain output is: against HF float32 on its own sequence."""
     run = runs[(dtype, mode, speculation)]
+    if mode == "arrivals":
+        assert run["stats"]["mixed_steps"] > 0
     reference, judge = hf_models[dtype], hf_models["float32"]
     rows, worst_gap, equal = [], 0.0, 0
     for question, prompt, ours in zip(QUESTIONS, run["prompts"], run["tokens"]):
@@ -159,7 +184,8 @@ def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, 
     record_property("tokens_equal", equal)
     record_property("tokens_total", total)
     record_property("worst_teacher_forced_gap", worst_gap)
-    print(f"\n[{dtype} {mode} speculation {speculation}] vs HF {dtype}: {equal}/{total} tokens equal before the first difference; worst gap "
+    print(f"\n[{dtype} {mode} speculation {speculation}] vs HF {dtype}: {equal}/{total} tokens equal before the "
+          f"first difference; worst gap "
           f"below HF float32's best {worst_gap:.4g}")
     for question, same, margin in rows:
         where = "agrees throughout" if margin is None else f"parts at token {same}, HF float32 margin {margin:.4g}"

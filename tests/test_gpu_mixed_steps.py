@@ -18,10 +18,10 @@ OPTIONS = dict(max_model_len=512, max_num_seqs=8, loader_options={"init_std": 0.
 WAVES = [(0, [7, 33]), (3, [1, 120]), (2, [17, 16, 45]), (4, [200]), (1, [5])]
 
 
-def staggered(llm: LLM, params: list[SamplingParams]) -> dict[str, list[int]]:
+def staggered(llm: LLM, params: list[SamplingParams], waves=WAVES) -> dict[str, list[int]]:
     """Every wave's prompts added after its steps; then steps until all finish. Token ids by request."""
     engine, tokens, index = llm.engine, {}, 0
-    for steps, lengths in WAVES:
+    for steps, lengths in waves:
         for _ in range(steps):
             for out in engine.step():
                 tokens[out.request_id] = out.token_ids
@@ -66,15 +66,16 @@ def test_mixed_steps_give_the_tokens_of_two_forwards(kind, case):
 def test_logprob_rows_and_large_prompt_parts_take_two_forwards():
     """A step whose decode rows ask for logprobs, or whose prompt part outgrows the mixed buckets, runs its
     prompt forward first; the tokens and logprobs are those of an engine without mixed steps."""
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    # r0 decodes with logprobs while r1 and then r2 + r3 (49 tokens, past the 32-token buckets) arrive; r4
+    # arrives after r0 has finished, beside plain decodes only: the one step that mixes.
+    waves = [(0, [7]), (2, [5]), (3, [9, 40]), (8, [6])]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)] + [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 4
     results = {}
     for mixed_tokens in (0, 32):
         with LLM("random:smollm2-135m", dtype="float32", mixed_step_tokens=mixed_tokens, **OPTIONS) as llm:
-            tokens = staggered(llm, params)
-            results[mixed_tokens] = tokens
-            if mixed_tokens:
-                assert llm.engine.decode_runner.stats.mixed_steps > 0
+            results[mixed_tokens] = staggered(llm, params, waves)
+            assert llm.engine.decode_runner.stats.mixed_steps == (1 if mixed_tokens else 0)
     assert results[32] == results[0]
 
 
