@@ -185,8 +185,7 @@ def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, 
     record_property("tokens_total", total)
     record_property("worst_teacher_forced_gap", worst_gap)
     print(f"\n[{dtype} {mode} speculation {speculation}] vs HF {dtype}: {equal}/{total} tokens equal before the "
-          f"first difference; worst gap "
-          f"below HF float32's best {worst_gap:.4g}")
+          f"first difference; worst gap below HF float32's best {worst_gap:.4g}")
     for question, same, margin in rows:
         where = "agrees throughout" if margin is None else f"parts at token {same}, HF float32 margin {margin:.4g}"
         print(f"  {question:48s} {where}")
