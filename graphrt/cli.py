@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="longest sequence (default: the load's longest)")
     serving.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",
                          help="speculative decoding, as for generate")
-    serving.add_argument("--enable-chunked-prefill", action="store_true", help="chunked prefill, as for generate")
-    serving.add_argument("--enable-prefix-caching", action="store_true", help="prefix caching, as for generate")
+    serving.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                         help="chunked prefill, as for generate (default on)")
+    serving.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                         help="prefix caching, as for generate (default on)")
     serving.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
                          help="swap preemption, as for generate")
     serving.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",

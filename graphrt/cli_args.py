@@ -172,18 +172,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "tokenizer (draft:MODEL), and one decode step verifies them; the output is the output "
                         "without it (token for token in float32; in 16-bit dtypes a near-tie may resolve "
                         "differently); steps with drafts run synchronously")
-    parser.add_argument("--enable-chunked-prefill", action="store_true",
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split prompts into chunks that fit each step's token budget (--max-num-batched-tokens, "
-                        "shared with the step's decodes), continued over the following steps")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        "shared with the step's decodes), continued over the following steps (default on; "
+                        "--no-enable-chunked-prefill: each prompt in one piece)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share the KV blocks of prompts' common leading tokens: a later prompt that starts with "
-                        "tokens computed before takes their blocks instead of computing them")
+                        "tokens computed before takes their blocks instead of computing them (default on)")
     parser.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
                         help="host memory for swap preemption: a preempted decoding sequence whose KV blocks fit is "
                         "swapped out and back in instead of recomputed (default 0: recompute)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                        help="most tokens a step runs (with --enable-chunked-prefill: default 2048; without it, the "
-                        "prompt tokens of one prefill, at least --max-model-len)")
+                        help="most tokens a step runs (with chunked prefill: default 2048; with "
+                        "--no-enable-chunked-prefill, the prompt tokens of one prefill, at least --max-model-len)")
     parser.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",
                         help="CUDA: a step that decodes and has at most N prompt tokens runs them in the decode's own "
                         "forward (a mixed graph), reading the weights once for both (default 512; 0: prompt and "

@@ -665,11 +665,6 @@ class LLMEngine:
                 f"request may grow to {longest} tokens ({needed} KV blocks) but the cache has only "
                 f"{self.block_manager.num_usable_blocks} blocks; lower max_tokens or enlarge the cache"
             )
-        if params.prompt_logprobs is not None and len(token_ids) > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt_logprobs scores the whole prompt in one step, but the prompt has {len(token_ids)} tokens "
-                f"and a step runs at most max_num_batched_tokens = {self.max_num_batched_tokens}; raise it"
-            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer, and model {self.config.model!r} has none: "
                                       "use stop_token_ids")

@@ -326,17 +326,24 @@ class ModelRunner:
 
     def _score_prompts(self, seqs: list[Sequence], hidden: torch.Tensor,
                        query_lens: list[int]) -> list[list[TokenLogprobs | None] | None]:
-        """Prompt logprobs of each sequence that asks and has none yet (its first prefill, which covers
-        the whole prompt), from the forward's hidden states [T, hidden]; None for the others."""
+        """Prompt logprobs, chunk by chunk, from the forward's hidden states [T, hidden]: each sequence that
+        asks and has none yet scores this prefill's rows of its prompt (added to
+        ``partial_prompt_logprobs``; a chunk from token 0 starts afresh, as a recomputation does). Returns
+        each sequence's whole list when this prefill reached its prompt's end, else None."""
         scored: list[list[TokenLogprobs | None] | None] = []
         start = 0
         for seq, length in zip(seqs, query_lens):
-            if seq.needs_prompt_logprobs and seq.num_computed_tokens == 0:
-                prompt = seq.prompt_token_ids
-                scored.append(prompt_logprobs(self.model.compute_logits, hidden[start:start + len(prompt)], prompt,
-                                              seq.params.prompt_logprobs))
-            else:
-                scored.append(None)
+            whole = None
+            first, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+            rows = min(length, len(prompt) - first)  # a recomputation's rows past the prompt score nothing
+            if seq.needs_prompt_logprobs and rows > 0:
+                if first == 0:
+                    seq.partial_prompt_logprobs = []
+                seq.partial_prompt_logprobs += prompt_logprobs(self.model.compute_logits, hidden[start:start + rows],
+                                                               prompt, seq.params.prompt_logprobs, first=first)
+                if first + rows >= len(prompt) - 1:  # every entry is in (the last row scores nothing)
+                    whole, seq.partial_prompt_logprobs = seq.partial_prompt_logprobs, []
+            scored.append(whole)
             start += length
         return scored
 

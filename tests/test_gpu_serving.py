@@ -21,9 +21,10 @@ def test_chunks_and_cached_prefixes_give_the_output_without_them(sampling):
     params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=5, max_tokens=24, ignore_eos=True)
     options = dict(dtype="float32", max_model_len=512, max_num_seqs=4, loader_options={"init_std": 0.05},
                    progress=False)
-    with LLM("random:smollm2-135m", **options) as llm:
+    with LLM("random:smollm2-135m", enable_chunked_prefill=False, enable_prefix_caching=False, **options) as llm:
         plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
-    cases = [dict(enable_chunked_prefill=True, max_num_batched_tokens=37), dict(enable_prefix_caching=True),
+    cases = [dict(enable_chunked_prefill=True, max_num_batched_tokens=37, enable_prefix_caching=False),
+             dict(enable_chunked_prefill=False, enable_prefix_caching=True),
              dict(enable_chunked_prefill=True, max_num_batched_tokens=64, enable_prefix_caching=True)]
     for case in cases:
         with LLM("random:smollm2-135m", **options, **case) as llm:

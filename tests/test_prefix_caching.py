@@ -185,22 +185,22 @@ def _llm(**options) -> LLM:
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_cached_prefixes_give_the_output_without_them(sampling):
     params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=3, max_tokens=12, ignore_eos=True)
-    with _llm() as llm:
+    with _llm(enable_prefix_caching=False) as llm:
         plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
-    with _llm(enable_prefix_caching=True) as llm:
+    with _llm() as llm:  # prefix caching is on by default
         assert llm.engine.prefix_cache_hit_rate == 0.0
         first = [out.token_ids for out in llm.generate(PROMPTS, params)]
         again = [out.token_ids for out in llm.generate(PROMPTS, params)]  # every prompt's blocks cached now
         rate = llm.engine.prefix_cache_hit_rate
     assert first == plain and again == plain
     assert 0.3 < rate < 1.0
-    with _llm() as llm:
+    with _llm(enable_prefix_caching=False) as llm:
         assert llm.engine.prefix_cache_hit_rate is None
 
 
 def test_prefix_caching_with_chunks_preemption_speculation_and_pipelined_steps():
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with _llm() as llm:
+    with _llm(enable_prefix_caching=False, enable_chunked_prefill=False) as llm:
         plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
     cases = [dict(enable_chunked_prefill=True, max_num_batched_tokens=9), dict(num_kv_blocks=30),
              dict(speculative="ngram:3"), dict(async_decode=True)]
@@ -215,7 +215,7 @@ def test_prefix_caching_with_chunks_preemption_speculation_and_pipelined_steps()
 
 def test_prompt_logprobs_are_computed_from_the_whole_prompt_and_bad_values_refused():
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
-    with _llm() as llm:
+    with _llm(enable_prefix_caching=False) as llm:
         plain = llm.generate(PROMPTS, params)
     with _llm(enable_prefix_caching=True) as llm:
         llm.generate(PROMPTS, SamplingParams(max_tokens=2))  # the prefixes cached

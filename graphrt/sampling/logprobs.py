@@ -102,20 +102,25 @@ def rows_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 PROMPT_ROWS_PER_CHUNK = 256
 
 
-def prompt_logprobs(compute_logits, hidden: torch.Tensor, prompt_ids: Sequence[int],
-                    num_top: int) -> list[TokenLogprobs | None]:
-    """Log probabilities of a prompt's tokens, each scored by the prompt before it.
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, prompt_ids: Sequence[int], num_top: int,
+                    first: int = 0) -> list[TokenLogprobs | None]:
+    """Log probabilities of a prompt's tokens, each scored by the prompt before it, from one prefill's
+    rows: the whole prompt's, or a chunk's.
 
-    compute_logits: [N, hidden] -> [N, V] float32 logits (the model's LM head); hidden: [P, hidden], the
-    final hidden states of the prompt's P tokens in order (row t scores token t + 1); prompt_ids: the P
-    tokens; num_top: K. Returns P entries: None for the first token (nothing precedes it), then one
-    ``TokenLogprobs`` per token. The logits are computed ``PROMPT_ROWS_PER_CHUNK`` rows at a time.
+    compute_logits: [N, hidden] -> [N, V] float32 logits (the model's LM head); hidden: [R, hidden], the
+    final hidden states of prompt tokens ``first`` .. ``first + R - 1`` in order (the row of token t scores
+    token t + 1); prompt_ids: the prompt's P tokens; num_top: K. Returns None for token 0 when the rows
+    start there (nothing precedes it), then a ``TokenLogprobs`` for each token ``first + 1`` ..
+    ``first + R`` that the prompt has, so that consecutive chunks' lists joined are the whole prompt's P
+    entries. The logits are computed ``PROMPT_ROWS_PER_CHUNK`` rows at a time.
     """
-    if hidden.shape[0] != len(prompt_ids):
-        raise ValueError(f"{hidden.shape[0]} hidden rows for a prompt of {len(prompt_ids)} tokens")
-    scored: list[TokenLogprobs | None] = [None]
-    next_ids = torch.tensor(list(prompt_ids[1:]), dtype=torch.int64, device=hidden.device)
-    for start in range(0, len(prompt_ids) - 1, PROMPT_ROWS_PER_CHUNK):
-        end = min(start + PROMPT_ROWS_PER_CHUNK, len(prompt_ids) - 1)
+    rows = hidden.shape[0]
+    if first < 0 or rows < 1 or first + rows > len(prompt_ids):
+        raise ValueError(f"{rows} hidden rows from token {first} for a prompt of {len(prompt_ids)} tokens")
+    scored: list[TokenLogprobs | None] = [None] if first == 0 else []
+    scoring = min(first + rows, len(prompt_ids) - 1) - first  # the prompt's last row scores nothing
+    next_ids = torch.tensor(list(prompt_ids[first + 1:first + 1 + scoring]), dtype=torch.int64, device=hidden.device)
+    for start in range(0, scoring, PROMPT_ROWS_PER_CHUNK):
+        end = min(start + PROMPT_ROWS_PER_CHUNK, scoring)
         scored += rows_logprobs(compute_logits(hidden[start:end]), next_ids[start:end], [num_top] * (end - start))
     return scored
