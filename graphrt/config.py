@@ -74,9 +74,8 @@ class EngineConfig:
     #: Split prompts (and the recomputation of a preempted sequence) into chunks that fit the step's
     #: token budget, continued over the following steps from the paged cache, so that a long prompt
     #: does not stall the running sequences for its whole prefill (``prompt_logprobs`` are scored chunk
-    #: by chunk). On by default (it measured faster on the
-    #: GPU: a shorter inter-token latency tail under arrivals, more offline throughput; notes_serving.md in
-    #: profiles/ has the figures).
+    #: by chunk). On by default (it measured faster on the GPU: a shorter inter-token latency tail under
+    #: arrivals, more offline throughput; notes_serving.md in profiles/ has the figures).
     enable_chunked_prefill: bool = True
     #: Share the KV blocks of prompts' common leading tokens (system prompts, chat history): a full block
     #: a sequence computed is kept, named by its prefix, and a later prompt that starts with the same

@@ -219,7 +219,7 @@ class ModelRunner:
         attending over the cached tokens before it; a prompt graph's replay where one holds the step,
         else eager), then one sampled token (and its logprobs where
         asked) for each sequence whose chunk reached its last token, None for the others; prompts that
-        ask are scored too (their prefill is whole)."""
+        ask are scored too, chunk by chunk (``_score_prompts``)."""
         step = _PromptStep.build(seqs, lengths, self.block_manager)
         input_ids, positions, slots, query_lens, ends, tables = (
             step.input_ids, step.positions, step.slots, step.query_lens, step.ends, step.tables)
@@ -329,7 +329,8 @@ class ModelRunner:
         """Prompt logprobs, chunk by chunk, from the forward's hidden states [T, hidden]: each sequence that
         asks and has none yet scores this prefill's rows of its prompt (added to
         ``partial_prompt_logprobs``; a chunk from token 0 starts afresh, as a recomputation does). Returns
-        each sequence's whole list when this prefill reached its prompt's end, else None."""
+        each sequence's whole list once this prefill's rows complete it (the prompt's last row scores
+        nothing, so a chunk ending one token short completes it), else None."""
         scored: list[list[TokenLogprobs | None] | None] = []
         start = 0
         for seq, length in zip(seqs, query_lens):

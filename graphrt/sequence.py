@@ -42,8 +42,9 @@ class Sequence:
     num_preemptions: int = 0
     #: With ``params.logprobs``: one entry per output token, in order (kept across preemption).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    #: With ``params.prompt_logprobs``: one entry per prompt token (None for the first), set when the
-    #: prefill (whole, or its last chunk) reaches the prompt's end; a recompute after preemption leaves it.
+    #: With ``params.prompt_logprobs``: one entry per prompt token (None for the first), set by the
+    #: prefill (whole, or the chunk) whose rows complete it: a chunk ending one token short of the prompt's
+    #: end completes it, the last token's row scoring nothing. A recompute after preemption leaves it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     #: While a prompt that asks for them is prefilled in chunks: the entries of the chunks computed so far.
     partial_prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

@@ -55,8 +55,10 @@ def test_swapping_gives_the_output_recomputation_gives(sampling):
 
 def test_swapping_with_chunks_prefix_caching_speculation_and_a_small_pool():
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    recomputed = _run(params)[0]
-    for options in (dict(enable_chunked_prefill=True, max_num_batched_tokens=9), dict(enable_prefix_caching=True),
+    # The baseline recomputes whole, uncached prompts; each case swaps with one feature (or the defaults' two).
+    recomputed = _run(params, enable_chunked_prefill=False, enable_prefix_caching=False)[0]
+    for options in (dict(enable_prefix_caching=False, max_num_batched_tokens=9),
+                    dict(enable_chunked_prefill=False), dict(max_num_batched_tokens=9),
                     dict(speculative="ngram:3"), dict(async_decode=True)):
         tokens, _, blocks_out, _ = _run(params, swap_space_bytes=64 * BLOCK_BYTES, **options)
         assert tokens == recomputed and blocks_out > 0, options
