@@ -314,9 +314,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (a client that went away, a caller that stopped reading): a waiting one leaves
-        at once, a running one at its next step (a step already queued still runs it); either way a
-        later ``step`` returns its last output, finished with ``finish_reason="abort"``, and its blocks
-        are freed. Returns False for an id that is not an unfinished request."""
+        at once, a running one before the next step is scheduled (a prompt partway through its chunks
+        runs no further chunk; a step already queued still runs it), a swapped-out one after its next
+        step; either way a later ``step`` returns its last output, finished with
+        ``finish_reason="abort"``, and its blocks are freed. Returns False for an id that is not an
+        unfinished request."""
         self._check_open()
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished or request_id in self._aborting:
@@ -349,17 +351,32 @@ class LLMEngine:
         unfinished."""
         self._check_open()
         started, self._completed_step = time.perf_counter(), None
-        aborted, self._aborted_outputs = self._aborted_outputs, []
         with nvtx.range("step"):
             outputs = self._step_pipelined(self._in_flight) if self._in_flight is not None else self._step()
+        # Aborted requests' outputs, taken after the step (one that raises leaves them for the next).
+        aborted, self._aborted_outputs = self._aborted_outputs, []
         outputs = aborted + outputs
         if self.step_costs is not None and self._completed_step is not None:
             self.step_costs.observe(*self._completed_step, time.perf_counter() - started)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        self._finish_aborted_running()
         with nvtx.range("schedule"):
             scheduled = self.scheduler.schedule()
+        return self._run_scheduled(scheduled)
+
+    def _finish_aborted_running(self) -> None:
+        """Running requests aborted since the last step, finished before scheduling (no step is in
+        flight here), so none runs another step or another prompt chunk; their outputs wait with the
+        other aborted ones."""
+        aborted = [seq for seq in self.scheduler.running if seq.request_id in self._aborting]
+        for seq in aborted:
+            seq.finish(FinishReason.ABORT)
+        if aborted:
+            self._aborted_outputs.extend(self._finish_step(aborted))
+
+    def _run_scheduled(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         if scheduled.swap_in or scheduled.swap_out:
             try:
                 with nvtx.range("swap"):

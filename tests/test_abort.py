@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _llm(**options) -> LLM:
-    return LLM("random:tiny", device="cpu", dtype="float32", max_model_len=64, progress=False, **options)
+    return LLM("random:tiny", **{**dict(device="cpu", dtype="float32", max_model_len=64, progress=False), **options})
 
 
 def _run(engine) -> dict[str, object]:
@@ -41,6 +41,33 @@ def test_aborted_requests_end_with_abort_and_free_their_blocks_and_the_others_ar
         assert finished["running"].finish_reason == "abort" and 0 < len(finished["running"].token_ids) < 12
         assert finished["keep"].token_ids == alone.token_ids and finished["keep"].finish_reason == "length"
         assert engine.block_manager.num_free_blocks == free and not engine.abort_request("keep")
+
+
+def test_a_prompt_aborted_partway_through_its_chunks_runs_no_further_chunk():
+    """Chunked prefill (a budget of 8 tokens, a 120-token prompt): the abort takes effect before the
+    next step is scheduled, not once the whole prompt is prefilled; a request beside it is unchanged."""
+    long_prompt = [(7 * i) % 400 + 3 for i in range(120)]
+    with _llm(max_model_len=160, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        engine = llm.engine
+        [alone] = llm.generate([[5, 6, 7]], GREEDY)
+        free = engine.block_manager.num_free_blocks
+        engine.add_request(long_prompt, GREEDY, request_id="long")
+        engine.add_request([5, 6, 7], GREEDY, request_id="keep")
+        engine.step()
+        long_seq = engine._requests["long"]
+        assert 0 < long_seq.num_computed_tokens < len(long_prompt)  # partway through its chunks
+        chunks = []
+        prefill = engine.runner._prefill
+        engine.runner._prefill = lambda seqs, lengths=None: chunks.extend(s.request_id for s in seqs) or prefill(
+            seqs, lengths)
+        assert engine.abort_request("long")
+        outputs = {out.request_id: out for out in engine.step()}
+        assert outputs["long"].finished and outputs["long"].finish_reason == "abort"
+        assert outputs["long"].token_ids == []
+        finished = _run(engine)
+        assert "long" not in chunks and "long" not in finished
+        assert finished["keep"].token_ids == alone.token_ids
+        assert engine.block_manager.num_free_blocks == free
 
 
 def test_a_stream_left_early_aborts_its_requests_and_streams_sharing_an_llm_each_get_theirs():
