@@ -14,12 +14,12 @@ from graphrt import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [[(29 * i + 7 * n) % 6000 + 3 for i in range(n)] for n in (1, 15, 16, 17, 45, 130, 301)]
 OPTIONS = dict(max_model_len=512, max_num_seqs=8, loader_options={"init_std": 0.05}, progress=False)
+WHOLE = dict(enable_chunked_prefill=False, enable_prefix_caching=False)  # chunks and caching are the defaults
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("case", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=37),
-                                  dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
-                                       enable_prefix_caching=True)], ids=["whole", "chunks37", "chunks64-cached"])
+@pytest.mark.parametrize("case", [WHOLE, dict(max_num_batched_tokens=37, enable_prefix_caching=False),
+                                  dict(max_num_batched_tokens=64)], ids=["whole", "chunks37", "chunks64-cached"])
 def test_prompt_graphs_give_the_tokens_of_eager_prompts(sampling, case):
     params = SamplingParams(temperature=0.0 if sampling == "greedy" else 0.9, seed=3, max_tokens=20, ignore_eos=True)
     with LLM("random:smollm2-135m", dtype="float32", prefill_graph_tokens=0, **OPTIONS, **case) as llm:
@@ -49,8 +49,8 @@ def test_a_step_of_more_prompts_than_a_graph_holds_replays_several(sampling):
     assert replayed == eager
 
 
-@pytest.mark.parametrize("case", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
-                                           mixed_step_tokens=0)], ids=["whole", "chunks64"])
+@pytest.mark.parametrize("case", [WHOLE, dict(max_num_batched_tokens=64, mixed_step_tokens=0)],
+                         ids=["whole", "chunks64"])
 def test_enforce_eager_runs_the_prompt_graphs_forward_and_gives_their_tokens_bf16(case):
     """Eager prompt steps run the bucket's padded forward, so bfloat16 tokens match the graphs' exactly (the
     unpadded eager forward rounds differently: other GEMM shapes, xFormers attention). The chunked case
