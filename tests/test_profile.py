@@ -207,11 +207,14 @@ SCENARIOS = {
     "mixed_prefill_decode": ["--batch-size", "2", "--context", "20", "--prompt-len", "9", "--arrivals", "3",
                              "--arrival-every", "2", "--max-tokens", "3", "--warmup", "1"],
     "capture": ["--max-num-seqs", "8", "--max-model-len", "64"],
+    "prompt_latency": ["--batch-size", "2", "--context", "20", "--prefix-len", "40", "--suffix-len", "7",
+                       "--requests", "3", "--cached"],
 }
 EXPECTED_OUTPUT = {
     "steady_decode": "4 steps, median",
     "mixed_prefill_decode": "6 steps, 3 with prompt tokens",
     "capture": "buckets [1, 2, 4, 8], no graphs (no_cuda)",
+    "prompt_latency": "2 decoding, prompts of 40 shared + 7 own tokens, prefix caching on: TTFT median",
 }
 
 
@@ -236,7 +239,7 @@ def test_scenario_runs_on_cpu_and_writes_a_torch_trace(name, tmp_path, capsys):
     assert any(e.get("cat") == "cpu_op" for e in events)
     if name != "capture":  # the decode scenarios mark each recorded step
         steps = [e for e in events if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"]
-        assert len(steps) == {"steady_decode": 4, "mixed_prefill_decode": 6}[name]
+        assert len(steps) == {"steady_decode": 4, "mixed_prefill_decode": 6, "prompt_latency": 3}[name]
         assert f"trace {trace}: {len(steps)} steps" in printed
 
 
