@@ -231,10 +231,15 @@ def test_a_fresh_process_captures_every_bucket():
         "llm = LLM(model='random:llama-3.2-1b', device='cuda', dtype='bfloat16', progress=False, "
         "max_num_seqs=16, max_model_len=512, num_kv_blocks=512); "
         "runner = llm.engine.decode_runner; "
-        "print(json.dumps({'stats': runner.stats.as_dict(), 'sizes': list(runner.capture_sizes)}))"
+        "print(json.dumps({'stats': runner.stats.as_dict(), 'sizes': list(runner.capture_sizes), "
+        "'mixed': list(runner.mixed_buckets)}))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["stats"]["capture_error"] is None
-    assert result["stats"]["num_graphs"] == len(SAMPLING_MODES) * len(result["sizes"])
+    # A graph per sampling mode and batch size, and a mixed one (prompt tokens beside the decode rows) per
+    # prompt bucket and batch size.
+    mixed = len(result["mixed"]) * len(result["sizes"])
+    assert mixed > 0 and result["stats"]["num_mixed_graphs"] == mixed
+    assert result["stats"]["num_graphs"] == len(SAMPLING_MODES) * len(result["sizes"]) + mixed
