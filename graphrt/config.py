@@ -128,7 +128,8 @@ class EngineConfig:
     #: so the others decode that step in a larger batch (in 16-bit dtypes a near-tie can resolve
     #: differently, as between batch sizes); otherwise the tokens are the synchronous engine's. Finished
     #: sequences leave the pipelined batch without a pause; a step that admits prompts or preempts waits
-    #: first. None = on for CUDA.
+    #: first. Steps of decodes and prompt chunks that sample nothing are pipelined too (REFERENCE.md,
+    #: "Pipelined steps"). None = on for CUDA.
     async_decode: bool | None = None
     #: A request whose prompt leaves room (under ``max_model_len``) for fewer tokens than its
     #: ``max_tokens`` is refused with InvalidRequestError; False (the default) runs it with a warning,

@@ -9,7 +9,7 @@ import logging
 import numbers
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
 from graphrt.sampling.stop_strings import StopStrings
-from graphrt.scheduler import Scheduler, SchedulerOutput
+from graphrt.scheduler import Scheduler, SchedulerOutput, is_prefilling
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
@@ -53,10 +53,13 @@ _PROFILE_SEQ_LEN = 2048
 
 @dataclass
 class _InFlightDecode:
-    """A decode step queued on the device whose tokens the engine has not read yet."""
+    """A decode step queued on the device whose tokens the engine has not read yet, with the prompt
+    chunks queued beside it (none samples a token)."""
 
     seqs: list[Sequence]  # row order of the launch
     tokens: PendingTokens
+    #: The sequences whose chunks the step computes (their ``num_computed_tokens`` already advanced).
+    chunks: list[Sequence] = field(default_factory=list)
 
 
 def _prefilled(prefills: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
@@ -345,10 +348,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that got a token (finished ones included).
 
-        With ``async_decode`` a decode-only step is queued and its tokens are returned by the next
-        call, which first queues the step after it (the sequences that carry on) unless a prompt is
-        to be admitted or the blocks run out: a call may return no outputs while requests are
-        unfinished."""
+        With ``async_decode`` a decode-only step (or one of decodes and prompt chunks that sample
+        nothing) is queued and its tokens are returned by the next call, which first queues the step
+        after it (the sequences that carry on, the prompts' next chunks) unless a prompt is to be
+        admitted, a prompt's chunks are done, or the blocks run out: a call may return no outputs while
+        requests are unfinished."""
         self._check_open()
         started, self._completed_step = time.perf_counter(), None
         with nvtx.range("step"):
@@ -397,6 +401,14 @@ class LLMEngine:
         if (self.async_decode and scheduled.decodes and not scheduled.prefills
                 and (plan is None or not plan.drafts_any)):
             self._in_flight = self._launch_pipelined(scheduled.decodes)
+            return []
+        if (self.async_decode and scheduled.decodes and scheduled.prefills
+                and self._chunks_run_blind(scheduled.prefills, scheduled.prefill_tokens)):
+            try:
+                self._in_flight = self._launch_chunks(scheduled.prefills, scheduled.prefill_tokens, scheduled.decodes)
+            except BaseException:
+                self.scheduler.requeue_prefills(scheduled.prefills)  # their K/V may be half-written
+                raise
             return []
         if plan is not None:
             return self._step_speculative(scheduled, plan)
@@ -454,6 +466,20 @@ class LLMEngine:
         queued step's are not there yet), judged from what is known before the tokens in flight."""
         return self.drafter is None or not self.drafter.plan(seqs, blind=True).drafts_any
 
+    def _chunks_run_blind(self, prefills: list[Sequence], lengths: list[int]) -> bool:
+        """Whether prompt chunks may be queued beside a decode without reading the step's tokens
+        (``async_decode``): without speculation (drafting starts from a prompt's first token, on the
+        host), no chunk samples (``ModelRunner.can_launch_chunks``), and no request among them is aborted
+        (it stops at the next synchronous step)."""
+        return (self.drafter is None and bool(prefills) and self.runner.can_launch_chunks(prefills, lengths)
+                and not any(seq.request_id in self._aborting for seq in prefills))
+
+    def _launch_chunks(self, prefills: list[Sequence], lengths: list[int], decodes: list[Sequence],
+                       ahead_from: list[int] | None = None) -> _InFlightDecode:
+        """Queue prompt chunks and a plain decode of ``decodes`` in one step (``ModelRunner.launch_chunks``)."""
+        tokens = self.runner.launch_chunks(prefills, lengths, decodes, ahead_from=ahead_from)
+        return _InFlightDecode(decodes, tokens, list(prefills))
+
     def _launch_pipelined(self, seqs: list[Sequence], ahead_from: list[int] | None = None) -> _InFlightDecode:
         """Queue a plain decode of ``seqs`` (a draft model's pauses count the step)."""
         if self.drafter is not None:
@@ -469,14 +495,18 @@ class LLMEngine:
         """Queue the step after ``in_flight`` when it can follow blind, then read ``in_flight``'s tokens.
 
         If queueing or the wait fails (an interrupt during the wait, most likely), both steps are
-        dropped after the device finishes them, and the sequences stay as they were before
-        ``in_flight``: the next step decodes that token again, with the same seed and step index."""
+        dropped after the device finishes them, and the decoding sequences stay as they were before
+        ``in_flight``: the next step decodes that token again, with the same seed and step index (the
+        prompt chunks queued keep what they computed)."""
         try:
             with nvtx.range("schedule"):
-                following, rows = self._schedule_following(in_flight.seqs)
+                following, rows, prefills, lengths = self._schedule_following(in_flight.seqs)
             self._in_flight = None
-            if following:
+            if prefills:
+                self._in_flight = self._launch_chunks(prefills, lengths, following, ahead_from=rows)
+            elif following:
                 self._in_flight = self._launch_pipelined(following, ahead_from=rows)
+            if following:
                 # A step's period: this call waits for it and queues the next (a last one only waits).
                 self._completed_step = (len(in_flight.seqs), PIPELINED)
             token_ids = in_flight.tokens.result()
@@ -484,8 +514,11 @@ class LLMEngine:
         except BaseException:
             self._in_flight = None
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # nothing queued may still write what the next step reads
+                # Nothing queued may still write what the next step reads. Chunks keep their progress: a
+                # chunk's num_computed_tokens moved once its launch was queued, and that launch has run.
+                torch.cuda.synchronize(self.device)
             raise
+        self._cache_computed(in_flight.chunks)  # their K/V is written now
         # A sequence that finished on the step before this one (a stop token, seen after this step was
         # queued) got a token it must not keep.
         live = [row for row, seq in enumerate(in_flight.seqs) if not seq.is_finished]
@@ -495,36 +528,52 @@ class LLMEngine:
             self.drafter.record_plain_step([in_flight.seqs[row] for row in live])
         outputs = self._record_tokens([in_flight.seqs[row] for row in live], [token_ids[row] for row in live],
                                       [logprobs[row] for row in live])
-        if self._in_flight is not None and all(seq.is_finished for seq in self._in_flight.seqs):
+        if (self._in_flight is not None and not self._in_flight.chunks
+                and all(seq.is_finished for seq in self._in_flight.seqs)):
             # Every row of the queued step just finished: nothing will read it, so wait here rather
             # than leave a step in flight with no request behind it.
             self._in_flight.tokens.result()
             self._in_flight = None
         return outputs
 
-    def _schedule_following(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    def _schedule_following(self, seqs: list[Sequence]
+                            ) -> tuple[list[Sequence], list[int], list[Sequence], list[int]]:
         """The decode after the in-flight one, planned before its tokens are known: the in-flight
         sequences that carry on, with the rows (of the in-flight launch) their inputs come from, their
-        tables grown by one position. A sequence that finished (a stop token, seen now) or ends with the
-        token in flight (max_tokens, max_model_len) is left out. Nothing (wait for the tokens, then
-        schedule as usual) when a waiting prompt can be admitted, the blocks do not fit (preemption),
-        the in-flight launch ran outside the decode graphs' static buffers (it outgrew them: its tokens
-        are not there to carry), or the rows outgrow them now."""
+        tables grown by one position, and the next chunk of each prompt under way (their sequences and
+        lengths: ``Scheduler.chunks_under_way``, none reaching its last token). A sequence that finished
+        (a stop token, seen now) or ends with the token in flight (max_tokens, max_model_len) is left
+        out. Nothing (wait for the tokens, then schedule as usual) when a waiting prompt can be admitted
+        in the budget the chunks leave, or swapped in, a running sequence would be left out (a prompt
+        whose chunks are done decodes its last token from the host), the chunks cannot run blind
+        (``_chunks_run_blind``), the blocks do not fit (preemption), the in-flight launch ran outside the
+        decode graphs' static buffers (it outgrew them: its tokens are not there to carry), or the rows
+        outgrow them now."""
+        nothing: tuple[list[Sequence], list[int], list[Sequence], list[int]] = ([], [], [], [])
         rows = [row for row, seq in enumerate(seqs)
                 if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
         following = [seqs[row] for row in rows]
-        if (not following or self.scheduler.can_admit(self.max_num_batched_tokens - len(following))
-                or self.scheduler.has_prefill_under_way() or self.scheduler.can_swap_in()):
-            return [], []
+        if not following or self.scheduler.can_swap_in():
+            return nothing
+        budget = self.max_num_batched_tokens - len(following)
+        prefills, lengths = self.scheduler.chunks_under_way(budget)
+        # A waiting prompt that the step's budget left would admit (as ``schedule`` would) waits for none.
+        if self.scheduler.can_admit(budget - sum(lengths)):
+            return nothing
+        in_step = {seq.seq_id for seq in seqs}
+        if any(seq.seq_id not in in_step and not is_prefilling(seq) for seq in self.scheduler.running):
+            return nothing
+        if prefills and not self._chunks_run_blind(prefills, lengths):
+            return nothing
         if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
-            return [], []
+            return nothing
         # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
         targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]
         if not self.block_manager.can_grow_all(targets):
-            return [], []
+            return nothing
         for seq_id, num_tokens in targets:
             self.block_manager.grow(seq_id, num_tokens)
-        return following, rows
+        return following, rows, prefills, lengths
 
     def _record_tokens(self, seqs: list[Sequence], token_ids: list[int],
                        logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:

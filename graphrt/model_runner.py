@@ -148,6 +148,46 @@ class ModelRunner:
         with nvtx.decode(len(decodes)):
             return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_rows=ahead_from)
 
+    def can_launch_chunks(self, prefills: list[Sequence], lengths: list[int]) -> bool:
+        """Whether ``launch_chunks`` takes these chunks: none reaches its sequence's last token (that one
+        samples, which needs the host), none scores its prompt, no KV scales are still to calibrate."""
+        return not self.kv_scales_pending and all(
+            seq.num_computed_tokens + length < seq.num_tokens and not seq.needs_prompt_logprobs
+            for seq, length in zip(prefills, lengths))
+
+    def launch_chunks(self, prefills: list[Sequence], lengths: list[int], decodes: list[Sequence],
+                      ahead_from: list[int] | None = None) -> PendingTokens:
+        """Queue a step of prompt chunks and decodes without waiting for it: ``prefills``' chunks
+        (``lengths[i]`` tokens each; ``can_launch_chunks`` must hold: nothing of theirs is sampled) and
+        the decode of ``decodes`` (``ahead_from`` as for ``launch_decode``), in one forward where a mixed
+        graph holds the step, else the chunks' forward and then the decode's, each queued as it is.
+        Advances the prefills' ``num_computed_tokens`` (their K/V is written in stream order, before any
+        later step reads it); the caller advances the decodes' when it reads their tokens."""
+        if not self.can_launch_chunks(prefills, lengths):
+            raise ValueError("launch_chunks: a chunk reaches its sequence's last token, scores its prompt, or "
+                             "the KV scales are still to calibrate")
+        step = _PromptStep.build(prefills, lengths, self.block_manager)
+        if self._mixed_holds(prefills, step):
+            batch = self._decode_batch(decodes, ahead=ahead_from is not None)
+            plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))
+            if plan is not None:
+                with nvtx.mixed(len(prefills), len(step.input_ids), len(decodes)):
+                    self.prefill_graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens,
+                                              step.ends, step.tables, plan.key.prompt_tokens)
+                    pending = self.decode_runner.launch(batch, carry_rows=ahead_from, plan=plan)
+                for seq, end in zip(prefills, step.ends):
+                    seq.num_computed_tokens = end
+                return pending
+        self._prefill(prefills, lengths)  # samples nothing: no chunk reaches its end
+        return self.launch_decode(decodes, ahead_from=ahead_from)
+
+    def _mixed_holds(self, prefills: list[Sequence], step: _PromptStep) -> bool:
+        """Whether a mixed graph's prompt segment can take ``step`` (before the decode batch's plan)."""
+        graphs = self.prefill_graphs
+        return (graphs is not None and not self.kv_scales_pending and bool(self.decode_runner.mixed_buckets)
+                and not any(seq.needs_prompt_logprobs for seq in prefills)
+                and graphs.fits(len(step.input_ids), len(prefills), max(map(len, step.tables))))
+
     def can_launch_ahead(self, decodes: list[Sequence], ahead_from: list[int]) -> bool:
         """Whether ``launch_decode(decodes, ahead_from)`` can run: the launch in flight ran through the
         decode runner's static buffers, so its tokens for rows ``ahead_from`` are there to carry (a batch
@@ -192,7 +232,7 @@ class ModelRunner:
                 or any(seq.needs_prompt_logprobs for seq in prefills)):
             return None
         step = _PromptStep.build(prefills, lengths, self.block_manager)
-        if not graphs.fits(len(step.input_ids), len(prefills), max(map(len, step.tables))):
+        if not self._mixed_holds(prefills, step):
             return None
         batch = self._decode_batch(decodes)
         plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))

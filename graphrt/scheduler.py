@@ -87,6 +87,21 @@ class Scheduler:
             self._schedule_prefills(out, token_budget=budget)
         return out
 
+    def chunks_under_way(self, token_budget: int) -> tuple[list[Sequence], list[int]]:
+        """The next chunk of each prefill under way, oldest first, within ``token_budget`` tokens, for a
+        step planned before the previous step's tokens are read (a pipelined step): as ``schedule`` gives
+        them, but each stops one token short of its sequence's end, since the chunk that reaches the end
+        samples a token, which such a step cannot read; that last token is decoded in a later step.
+        Returns the sequences and their chunks' lengths (their blocks are allocated already)."""
+        prefills: list[Sequence] = []
+        lengths: list[int] = []
+        for seq in self.running:
+            if token_budget > 0 and is_prefilling(seq):
+                prefills.append(seq)
+                lengths.append(min(seq.num_tokens - 1 - seq.num_computed_tokens, token_budget))
+                token_budget -= lengths[-1]
+        return prefills, lengths
+
     def has_prefill_under_way(self) -> bool:
         """Whether a running sequence has prompt chunks left (chunked prefill)."""
         return any(is_prefilling(seq) for seq in self.running)

@@ -1,0 +1,110 @@
+"""Prompt chunks queued blind beside pipelined decodes (``async_decode`` with chunked prefill): a step
+of chunks that sample nothing and decodes is queued before the previous step's tokens are read, the
+decodes fed from the device. Checked on the CPU (random:tiny, float32) against the synchronous engine
+and against whole prompts: the same output, greedy and seeded, for budgets across block boundaries, with
+requests arriving while others decode, under preemption, and through an interrupted step (its chunks
+are computed again); an abort stops a prompt whose chunk is in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt import LLM, SamplingParams
+
+PROMPTS = [[(37 * i + 11 * n) % 500 + 3 for i in range(n)] for n in (5, 16, 17, 33, 70, 101, 9, 64)]
+
+
+def _llm(**options) -> LLM:
+    defaults = dict(dtype="float32", device="cpu", max_model_len=160, max_num_seqs=8, progress=False,
+                    loader_options={"init_std": 0.3})
+    return LLM("random:tiny", **{**defaults, **options})
+
+
+def _params(sampling: str) -> list[SamplingParams]:
+    if sampling == "greedy":
+        return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(PROMPTS)
+    return [SamplingParams(temperature=0.9, top_p=0.9, seed=n, max_tokens=20, ignore_eos=True)
+            for n in range(len(PROMPTS))]
+
+
+def _staggered(llm: LLM, params: list[SamplingParams], interrupt_once: bool = False) -> tuple[list, dict, int]:
+    """A request arrives every third step call; returns the tokens in prompt order, the counts of chunk
+    launches (queued from a schedule, queued blind behind a step in flight) and the preemptions."""
+    engine = llm.engine
+    launches = {"scheduled": 0, "blind": 0}
+    interrupted = []
+    launch = engine.runner.launch_chunks
+
+    def counting(prefills, lengths, decodes, ahead_from=None):
+        if ahead_from is not None and interrupt_once and not interrupted and launches["blind"] == 2:
+            interrupted.append(True)
+            raise KeyboardInterrupt  # a step in flight with chunks, and the next one refused midway
+        launches["blind" if ahead_from is not None else "scheduled"] += 1
+        return launch(prefills, lengths, decodes, ahead_from=ahead_from)
+
+    engine.runner.launch_chunks = counting
+    index_of, finished, call = {}, {}, 0
+    while len(finished) < len(PROMPTS):
+        if call % 3 == 0 and call // 3 < len(PROMPTS):
+            index = call // 3
+            index_of[engine.add_request(PROMPTS[index], params[index])] = index
+        call += 1
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            continue
+        finished.update((index_of[out.request_id], out) for out in outputs if out.finished)
+    assert not interrupt_once or interrupted
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    outs = [finished[i] for i in range(len(PROMPTS))]
+    return [out.token_ids for out in outs], launches, sum(out.num_preemptions for out in outs)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("budget", [12, 17, 40])
+def test_blind_chunks_give_the_synchronous_and_the_whole_prompts_output(sampling, budget):
+    params = _params(sampling)
+    with _llm(enable_chunked_prefill=False, enable_prefix_caching=False, async_decode=False) as llm:
+        whole, _, _ = _staggered(llm, params)
+    with _llm(max_num_batched_tokens=budget, async_decode=False) as llm:
+        synchronous, launches, _ = _staggered(llm, params)
+        assert launches == {"scheduled": 0, "blind": 0}
+    with _llm(max_num_batched_tokens=budget, async_decode=True) as llm:
+        pipelined, launches, _ = _staggered(llm, params)
+    assert launches["scheduled"] > 0 and launches["blind"] > 0
+    assert pipelined == synchronous == whole
+
+
+def test_blind_chunks_under_preemption_and_through_an_interrupt_lose_nothing():
+    params = _params("greedy")
+    with _llm(enable_chunked_prefill=False, enable_prefix_caching=False, async_decode=False) as llm:
+        whole, _, _ = _staggered(llm, params)
+    with _llm(max_num_batched_tokens=12, async_decode=True, block_size=4, num_kv_blocks=34) as llm:
+        small_pool, launches, preemptions = _staggered(llm, params)
+        assert launches["blind"] > 0 and preemptions > 0
+    with _llm(max_num_batched_tokens=12, async_decode=True) as llm:
+        interrupted, _, _ = _staggered(llm, params, interrupt_once=True)
+    assert small_pool == whole and interrupted == whole
+
+
+def test_a_prompt_aborted_while_its_chunk_is_in_flight_stops_at_the_next_synchronous_step():
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with _llm(max_num_batched_tokens=10, async_decode=True) as llm:
+        engine = llm.engine
+        [alone] = llm.generate([PROMPTS[0]], params)
+        engine.add_request(PROMPTS[0], params, request_id="keep")
+        for _ in range(3):
+            engine.step()
+        engine.add_request(PROMPTS[5], params, request_id="long")  # 101 tokens: ten chunks
+        steps = 0
+        while engine._in_flight is None or not engine._in_flight.chunks:
+            engine.step()
+            steps += 1
+            assert steps < 10, "no chunk was queued blind"
+        assert engine.abort_request("long")
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert finished["long"].finish_reason == "abort" and finished["long"].token_ids == []
+        assert finished["keep"].token_ids == alone.token_ids
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
