@@ -316,27 +316,27 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request (a client that went away, a caller that stopped reading): a waiting one leaves
-        at once, a running one before the next step is scheduled (a prompt partway through its chunks
-        runs no further chunk; a step already queued still runs it), a swapped-out one after its next
-        step; either way a later ``step`` returns its last output, finished with
-        ``finish_reason="abort"``, and its blocks are freed. Returns False for an id that is not an
-        unfinished request."""
+        """Stop a request (a client that went away, a caller that stopped reading): a waiting one (or one
+        swapped out) leaves at once, a running one before the next step is scheduled (a prompt partway
+        through its chunks runs no further chunk; a step already queued still runs it); either way the
+        next ``step`` returns its last output, finished with ``finish_reason="abort"``, and its blocks
+        (device and host) are freed. Returns False for an id that is not an unfinished request."""
         self._check_open()
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished or request_id in self._aborting:
             return False
-        swapped = self.swap_space is not None and self.swap_space.holds(seq.seq_id)
         waiting = self.scheduler.waiting
         index = next((i for i, queued in enumerate(waiting) if queued is seq), None)
-        if index is not None and not swapped:
+        if index is not None:  # waiting, or swapped out (its swap-out copy is done: copies are synchronous)
             del waiting[index]
+            if self.swap_space is not None:
+                self.swap_space.drop(seq.seq_id)
             if self.block_manager.has(seq.seq_id):
                 self.block_manager.free(seq.seq_id)
             seq.finish(FinishReason.ABORT)
             self._aborted_outputs.append(self._output_of(seq))
             self._forget(seq)
-        else:  # running, or swapped out: finished where its next output is made
+        else:  # running: finished before the next step is scheduled, or where a step in flight is read
             self._aborting.add(request_id)
         return True
 
@@ -350,9 +350,10 @@ class LLMEngine:
 
         With ``async_decode`` a decode-only step (or one of decodes and prompt chunks that sample
         nothing) is queued and its tokens are returned by the next call, which first queues the step
-        after it (the sequences that carry on, the prompts' next chunks) unless a prompt is to be
-        admitted, a prompt's chunks are done, or the blocks run out: a call may return no outputs while
-        requests are unfinished."""
+        after it (the sequences that carry on, the prompts' next chunks) unless that step needs the
+        tokens first (``_schedule_following`` lists when: a prompt to admit or swap in, a prompt's
+        chunks done, blocks running out, ...): a call may return no outputs while requests are
+        unfinished."""
         self._check_open()
         started, self._completed_step = time.perf_counter(), None
         with nvtx.range("step"):
@@ -542,19 +543,23 @@ class LLMEngine:
         sequences that carry on, with the rows (of the in-flight launch) their inputs come from, their
         tables grown by one position, and the next chunk of each prompt under way (their sequences and
         lengths: ``Scheduler.chunks_under_way``, none reaching its last token). A sequence that finished
-        (a stop token, seen now) or ends with the token in flight (max_tokens, max_model_len) is left
-        out. Nothing (wait for the tokens, then schedule as usual) when a waiting prompt can be admitted
-        in the budget the chunks leave, or swapped in, a running sequence would be left out (a prompt
-        whose chunks are done decodes its last token from the host), the chunks cannot run blind
+        (a stop token, seen now), ends with the token in flight (max_tokens, max_model_len) or was aborted
+        is left out (it is finished when the token in flight is read). Nothing (wait for the tokens,
+        then schedule as usual) when a waiting prompt can be admitted in the budget the chunks leave, or
+        swapped in, a running sequence would be left out (a prompt whose chunks are done decodes its
+        last token from the host), a prompt under way was aborted, the chunks cannot run blind
         (``_chunks_run_blind``), the blocks do not fit (preemption), the in-flight launch ran outside the
         decode graphs' static buffers (it outgrew them: its tokens are not there to carry), or the rows
         outgrow them now."""
         nothing: tuple[list[Sequence], list[int], list[Sequence], list[int]] = ([], [], [], [])
         rows = [row for row, seq in enumerate(seqs)
-                if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1))]
+                if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1)
+                        or seq.request_id in self._aborting)]
         following = [seqs[row] for row in rows]
         if not following or self.scheduler.can_swap_in():
             return nothing
+        if any(seq.request_id in self._aborting and is_prefilling(seq) for seq in self.scheduler.running):
+            return nothing  # an aborted prompt is finished by the synchronous step
         budget = self.max_num_batched_tokens - len(following)
         prefills, lengths = self.scheduler.chunks_under_way(budget)
         # A waiting prompt that the step's budget left would admit (as ``schedule`` would) waits for none.

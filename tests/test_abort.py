@@ -70,6 +70,52 @@ def test_a_prompt_aborted_partway_through_its_chunks_runs_no_further_chunk():
         assert engine.block_manager.num_free_blocks == free
 
 
+@pytest.mark.parametrize("async_decode", [False, True], ids=["synchronous", "pipelined"])
+def test_a_swapped_out_request_aborted_leaves_at_once_and_frees_its_host_blocks(async_decode):
+    """Swap preemption (a pool too small for four sequences): an aborted swapped-out request is not
+    swapped back in to be decoded; the next step returns its abort and its host blocks are free."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [[(13 * i + 7 * k) % 500 + 3 for i in range(6)] for k in range(4)]
+    with _llm(max_model_len=256, max_num_seqs=8, async_decode=async_decode, block_size=4, num_kv_blocks=14,
+              swap_space_bytes=1 << 22, max_num_batched_tokens=12) as llm:
+        engine = llm.engine
+        expected = {f"r{k}": out.token_ids for k, out in enumerate(llm.generate(prompts, params))}
+        for k, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=f"r{k}")
+        swapped = []
+        while not swapped:
+            engine.step()
+            swapped = [rid for rid, seq in engine._requests.items() if engine.swap_space.holds(seq.seq_id)]
+        held = engine.swap_space.allocator.num_free_blocks
+        assert engine.abort_request(swapped[0])
+        assert engine.swap_space.allocator.num_free_blocks > held
+        outputs = {out.request_id: out for out in engine.step()}
+        assert outputs[swapped[0]].finish_reason == "abort"
+        finished = _run(engine)
+        assert all(finished[rid].token_ids == expected[rid] for rid in finished)
+        assert len(finished) == 3 and swapped[0] not in finished
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+        assert engine.swap_space.allocator.num_free_blocks == engine.swap_space.allocator.num_usable_blocks
+
+
+def test_an_aborted_decoding_request_is_not_queued_again_by_a_pipelined_step():
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    with _llm(async_decode=True) as llm:
+        engine = llm.engine
+        engine.add_request([1, 2, 3], params, request_id="a")
+        engine.add_request([4, 5, 6], params, request_id="b")
+        for _ in range(4):
+            engine.step()
+        rows = []
+        launch = engine.runner.decode_runner.launch
+        engine.runner.decode_runner.launch = lambda batch, *args, **kwargs: rows.append(len(batch)) or launch(
+            batch, *args, **kwargs)
+        assert engine.abort_request("a")
+        finished = _run(engine)
+        assert finished["a"].finish_reason == "abort" and finished["b"].finish_reason == "length"
+        assert rows and max(rows) == 1  # every decode after the abort is b's alone
+
+
 def test_a_stream_left_early_aborts_its_requests_and_streams_sharing_an_llm_each_get_theirs():
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with _llm(max_num_seqs=4) as llm:
