@@ -560,24 +560,31 @@ class LLMEngine:
             return nothing
         if any(seq.request_id in self._aborting and is_prefilling(seq) for seq in self.scheduler.running):
             return nothing  # an aborted prompt is finished by the synchronous step
-        budget = self.max_num_batched_tokens - len(following)
-        prefills, lengths = self.scheduler.chunks_under_way(budget)
-        # A waiting prompt that the step's budget left would admit (as ``schedule`` would) waits for none.
-        if self.scheduler.can_admit(budget - sum(lengths)):
-            return nothing
-        in_step = {seq.seq_id for seq in seqs}
-        if any(seq.seq_id not in in_step and not is_prefilling(seq) for seq in self.scheduler.running):
-            return nothing
-        if prefills and not self._chunks_run_blind(prefills, lengths):
-            return nothing
         if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
             return nothing
-        # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1.
+        # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1. The
+        # decodes' blocks come first, as in ``schedule``; a prompt is admitted with what they leave.
         targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]
         if not self.block_manager.can_grow_all(targets):
             return nothing
         for seq_id, num_tokens in targets:
             self.block_manager.grow(seq_id, num_tokens)
+        budget = self.max_num_batched_tokens - len(following)
+        prefills, lengths = self.scheduler.chunks_under_way(budget)
+        left = budget - sum(lengths)
+        if self.scheduler.can_admit(left):
+            # A waiting prompt the budget left admits (as ``schedule`` would): blind when it is too long
+            # to finish in this step, else the step waits for the tokens and admits it synchronously.
+            admitted = self.scheduler.admit_long_prompt(left) if self.drafter is None else None
+            if admitted is None:
+                return nothing
+            prefills.append(admitted)
+            lengths.append(min(left, admitted.num_tokens - 1 - admitted.num_computed_tokens))
+        in_step = {seq.seq_id for seq in seqs}
+        if any(seq.seq_id not in in_step and not is_prefilling(seq) for seq in self.scheduler.running):
+            return nothing  # (an admitted prompt whose cached prefix left it one token is one such)
+        if prefills and not self._chunks_run_blind(prefills, lengths):
+            return nothing
         return following, rows, prefills, lengths
 
     def _record_tokens(self, seqs: list[Sequence], token_ids: list[int],

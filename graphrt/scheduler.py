@@ -10,6 +10,8 @@ the cached ones before them, and the chunk that reaches the prompt's end samples
 A sequence whose prompt has one token left decodes it (the decode of position ``num_tokens - 1``
 samples the same output index as the prefill would). A request asking for ``prompt_logprobs`` is
 prefilled in chunks too (each chunk scores its rows) but takes no cached prefix: every token is scored.
+A pipelined engine plans a step before the previous one's tokens are read with ``chunks_under_way`` and
+``admit_long_prompt``: the same order and budget, each chunk stopping a token short of its prompt's end.
 
 With a swap space (``graphrt.swap_space``) a preempted decoding sequence whose blocks fit it is swapped
 out instead of recomputed, and swapped back in (before the step's decodes are scheduled, so it
@@ -166,17 +168,36 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.can_admit(token_budget):
-            seq = self.waiting.popleft()
-            if seq.needs_prompt_logprobs:  # every prompt token is scored, so none comes from the cache
-                self.block_manager.allocate(seq.seq_id, seq.num_tokens)
-            else:  # with prefix caching the K/V of its leading full blocks may be there already
-                seq.num_computed_tokens = self.block_manager.allocate_with_prefix(
-                    seq.seq_id, seq.all_token_ids, count=seq.num_preemptions == 0)
-            seq.status = SequenceStatus.RUNNING
-            self._insert_running(seq)
+            seq = self._admit()
             out.prefills.append(seq)
             out.prefill_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, token_budget))
             token_budget -= out.prefill_tokens[-1]
+
+    def admit_long_prompt(self, token_budget: int) -> Sequence | None:
+        """For a step planned before the previous step's tokens are read (a pipelined step): admit the
+        oldest waiting prompt as ``schedule`` would (``can_admit(token_budget)``), but only one longer
+        than ``token_budget`` that does not score its prompt, so that its first chunk stops short of its
+        end (``chunks_under_way`` gives it from then on); None, admitting nothing, otherwise. With a
+        cached prefix the tokens left may turn out fewer: it is then a prefill under way like any other."""
+        if not self.can_admit(token_budget):
+            return None
+        seq = self.waiting[0]
+        if seq.needs_prompt_logprobs or seq.num_tokens - seq.num_computed_tokens <= token_budget:
+            return None
+        return self._admit()
+
+    def _admit(self) -> Sequence:
+        """The oldest waiting sequence into ``running``, its blocks allocated whole (with prefix caching,
+        the K/V of its leading full blocks may be there already: ``num_computed_tokens`` covers them)."""
+        seq = self.waiting.popleft()
+        if seq.needs_prompt_logprobs:  # every prompt token is scored, so none comes from the cache
+            self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+        else:
+            seq.num_computed_tokens = self.block_manager.allocate_with_prefix(
+                seq.seq_id, seq.all_token_ids, count=seq.num_preemptions == 0)
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+        return seq
 
     def _insert_running(self, seq: Sequence) -> None:
         """Keep ``running`` in arrival order (a recomputed sequence is older than newer arrivals)."""

@@ -1,9 +1,10 @@
 """Prompt chunks queued blind beside pipelined decodes (``async_decode`` with chunked prefill): a step
 of chunks that sample nothing and decodes is queued before the previous step's tokens are read, the
-decodes fed from the device. Checked on the CPU (random:tiny, float32) against the synchronous engine
-and against whole prompts: the same output, greedy and seeded, for budgets across block boundaries, with
-requests arriving while others decode, under preemption, and through an interrupted step (its chunks
-are computed again); an abort stops a prompt whose chunk is in flight."""
+decodes fed from the device, and a prompt too long for the step is admitted into such a step. Checked
+on the CPU (random:tiny, float32) against the synchronous engine and against whole prompts: the same
+output, greedy and seeded, for budgets across block boundaries, with requests arriving while others
+decode, with shared prefixes, under preemption, and through an interrupted step; an abort stops a
+prompt whose chunk is in flight."""
 
 from __future__ import annotations
 
@@ -29,9 +30,18 @@ def _params(sampling: str) -> list[SamplingParams]:
 
 def _staggered(llm: LLM, params: list[SamplingParams], interrupt_once: bool = False) -> tuple[list, dict, int]:
     """A request arrives every third step call; returns the tokens in prompt order, the counts of chunk
-    launches (queued from a schedule, queued blind behind a step in flight) and the preemptions."""
+    launches (queued from a schedule, queued blind behind a step in flight, and of the latter the prompts
+    admitted blind) and the preemptions."""
     engine = llm.engine
-    launches = {"scheduled": 0, "blind": 0}
+    launches = {"scheduled": 0, "blind": 0, "admitted": 0}
+    admit = engine.scheduler.admit_long_prompt
+
+    def admitting(token_budget):
+        seq = admit(token_budget)
+        launches["admitted"] += seq is not None
+        return seq
+
+    engine.scheduler.admit_long_prompt = admitting
     interrupted = []
     launch = engine.runner.launch_chunks
 
@@ -68,11 +78,26 @@ def test_blind_chunks_give_the_synchronous_and_the_whole_prompts_output(sampling
         whole, _, _ = _staggered(llm, params)
     with _llm(max_num_batched_tokens=budget, async_decode=False) as llm:
         synchronous, launches, _ = _staggered(llm, params)
-        assert launches == {"scheduled": 0, "blind": 0}
+        assert launches == {"scheduled": 0, "blind": 0, "admitted": 0}
     with _llm(max_num_batched_tokens=budget, async_decode=True) as llm:
         pipelined, launches, _ = _staggered(llm, params)
-    assert launches["scheduled"] > 0 and launches["blind"] > 0
+    assert launches["scheduled"] > 0 and launches["blind"] > 0 and launches["admitted"] > 0
     assert pipelined == synchronous == whole
+
+
+def test_blind_chunks_with_shared_prefixes_give_the_uncached_output(monkeypatch):
+    """Prompts sharing a 37-token prefix (block size 4): cached blocks named as pipelined chunks are read
+    back, and later prompts take them."""
+    shared = [(29 * i) % 400 + 5 for i in range(37)]
+    prompts = [shared + [(11 * i + 3 * n) % 400 + 7 for i in range(n)] for n in (3, 20, 9, 41, 1, 30, 14, 25)]
+    monkeypatch.setattr(f"{__name__}.PROMPTS", prompts)
+    params = _params("seeded")
+    with _llm(enable_chunked_prefill=False, enable_prefix_caching=False, async_decode=False) as llm:
+        whole, _, _ = _staggered(llm, params)
+    with _llm(max_num_batched_tokens=12, async_decode=True, block_size=4) as llm:
+        cached, launches, _ = _staggered(llm, params)
+        assert llm.engine.prefix_cache_hit_rate > 0.3 and launches["blind"] > 0
+    assert cached == whole
 
 
 def test_blind_chunks_under_preemption_and_through_an_interrupt_lose_nothing():
