@@ -20,7 +20,7 @@ from graphrt.attention import AttentionBackend
 from graphrt.attention.metadata import pinned_to_device
 from graphrt.base import nvtx
 from graphrt.block_manager import BlockManager
-from graphrt.capture import DecodeBatch, DecodeGraphRunner, PendingTokens
+from graphrt.capture import DecodeBatch, DecodeGraphRunner, DecodePlan, PendingTokens
 from graphrt.capture.prefill_graphs import PrefillGraphRunner
 from graphrt.models.llama import LlamaForCausalLM
 from graphrt.sampling.logprobs import (
@@ -166,27 +166,41 @@ class ModelRunner:
         if not self.can_launch_chunks(prefills, lengths):
             raise ValueError("launch_chunks: a chunk reaches its sequence's last token, scores its prompt, or "
                              "the KV scales are still to calibrate")
-        step = _PromptStep.build(prefills, lengths, self.block_manager)
-        if self._mixed_holds(prefills, step):
-            batch = self._decode_batch(decodes, ahead=ahead_from is not None)
-            plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))
-            if plan is not None:
-                with nvtx.mixed(len(prefills), len(step.input_ids), len(decodes)):
-                    self.prefill_graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens,
-                                              step.ends, step.tables, plan.key.prompt_tokens)
-                    pending = self.decode_runner.launch(batch, carry_rows=ahead_from, plan=plan)
-                for seq, end in zip(prefills, step.ends):
-                    seq.num_computed_tokens = end
-                return pending
-        self._prefill(prefills, lengths)  # samples nothing: no chunk reaches its end
-        return self.launch_decode(decodes, ahead_from=ahead_from)
+        mixed = self._plan_mixed(prefills, lengths, decodes, ahead=ahead_from is not None)
+        if mixed is None:
+            self._prefill(prefills, lengths)  # samples nothing: no chunk reaches its end
+            return self.launch_decode(decodes, ahead_from=ahead_from)
+        step, batch, plan = mixed
+        with nvtx.mixed(len(prefills), len(step.input_ids), len(decodes)):
+            return self._queue_mixed(prefills, step, batch, plan, carry_rows=ahead_from)
 
-    def _mixed_holds(self, prefills: list[Sequence], step: _PromptStep) -> bool:
-        """Whether a mixed graph's prompt segment can take ``step`` (before the decode batch's plan)."""
+    def _plan_mixed(self, prefills: list[Sequence], lengths: list[int] | None, decodes: list[Sequence],
+                    ahead: bool = False) -> tuple[_PromptStep, DecodeBatch, DecodePlan] | None:
+        """The prompt step, the decode batch (``ahead`` as for ``_decode_batch``) and the mixed graph's
+        plan for running both in one forward; None, having run nothing, when none holds them: prompt
+        logprobs or KV scales to calibrate, more prompt tokens or sequences than the prompt segment
+        holds, a decode batch the decode graphs do not."""
         graphs = self.prefill_graphs
-        return (graphs is not None and not self.kv_scales_pending and bool(self.decode_runner.mixed_buckets)
-                and not any(seq.needs_prompt_logprobs for seq in prefills)
-                and graphs.fits(len(step.input_ids), len(prefills), max(map(len, step.tables))))
+        if (graphs is None or self.kv_scales_pending or not self.decode_runner.mixed_buckets
+                or any(seq.needs_prompt_logprobs for seq in prefills)):
+            return None
+        step = _PromptStep.build(prefills, lengths, self.block_manager)
+        if not graphs.fits(len(step.input_ids), len(prefills), max(map(len, step.tables))):
+            return None
+        batch = self._decode_batch(decodes, ahead=ahead)
+        plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))
+        return None if plan is None else (step, batch, plan)
+
+    def _queue_mixed(self, prefills: list[Sequence], step: _PromptStep, batch: DecodeBatch, plan: DecodePlan,
+                     carry_rows: list[int] | None = None) -> PendingTokens:
+        """Stage ``step`` in the prompt segment and queue the mixed replay (``carry_rows`` as for
+        ``DecodeGraphRunner.launch``); advances the prefills' ``num_computed_tokens``."""
+        self.prefill_graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens, step.ends,
+                                  step.tables, plan.key.prompt_tokens)
+        pending = self.decode_runner.launch(batch, carry_rows=carry_rows, plan=plan)
+        for seq, end in zip(prefills, step.ends):
+            seq.num_computed_tokens = end
+        return pending
 
     def can_launch_ahead(self, decodes: list[Sequence], ahead_from: list[int]) -> bool:
         """Whether ``launch_decode(decodes, ahead_from)`` can run: the launch in flight ran through the
@@ -225,29 +239,17 @@ class ModelRunner:
     def _execute_mixed(self, prefills: list[Sequence], decodes: list[Sequence], lengths: list[int] | None
                        ) -> tuple[list[int | None], list[TokenLogprobs | None]] | None:
         """``execute`` in one forward (a mixed graph, ``DecodeGraphRunner.plan_mixed``); None, having run
-        nothing, when none holds the step: prompt logprobs or KV scales to calibrate, more prompt tokens
-        or sequences than the prompt segment holds, a decode batch the decode graphs do not."""
-        graphs = self.prefill_graphs
-        if (graphs is None or self.kv_scales_pending or not self.decode_runner.mixed_buckets
-                or any(seq.needs_prompt_logprobs for seq in prefills)):
+        nothing, when none holds the step (``_plan_mixed``)."""
+        mixed = self._plan_mixed(prefills, lengths, decodes)
+        if mixed is None:
             return None
-        step = _PromptStep.build(prefills, lengths, self.block_manager)
-        if not self._mixed_holds(prefills, step):
-            return None
-        batch = self._decode_batch(decodes)
-        plan = self.decode_runner.plan_mixed(batch, len(step.input_ids))
-        if plan is None:
-            return None
+        step, batch, plan = mixed
         with nvtx.mixed(len(prefills), len(step.input_ids), len(decodes)):
-            graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens, step.ends, step.tables,
-                         plan.key.prompt_tokens)
-            pending = self.decode_runner.launch(batch, plan=plan)
-            token_ids, logprobs = self._sample_prompts(prefills, step, graphs.last_hidden,
+            pending = self._queue_mixed(prefills, step, batch, plan)
+            token_ids, logprobs = self._sample_prompts(prefills, step, self.prefill_graphs.last_hidden,
                                                        torch.arange(len(prefills), device=self.device))
             token_ids += pending.result()
             logprobs += pending.logprobs()
-        for seq, end in zip(prefills, step.ends):
-            seq.num_computed_tokens = end
         for seq in decodes:
             seq.num_computed_tokens = seq.num_tokens
         return token_ids, logprobs
