@@ -376,13 +376,13 @@ class DecodeGraphRunner:
             return DecodePlan(rows, key, EagerReason.GRAPH_CHECK_FAILED, True)
         return DecodePlan(rows, key, None, True)
 
-    def can_carry(self, carry_rows: Sequence[int], longest_seq_len: int) -> bool:
+    def can_carry(self, carry_rows: Sequence[int | None], longest_seq_len: int) -> bool:
         """Whether ``launch(batch, carry_rows=carry_rows)`` can run for a batch of ``len(carry_rows)``
         rows whose longest holds ``longest_seq_len`` keys: the previous launch left the sampled tokens of
         those rows in the static buffers (it ran through them, with more rows than the largest named),
         and the new batch runs through them too."""
         rows = len(carry_rows)
-        return (all(0 <= row < self._carried_rows for row in carry_rows)
+        return (all(row is None or 0 <= row < self._carried_rows for row in carry_rows)
                 and self._plan(rows, longest_seq_len, "greedy").static_buffers)
 
     # -- decode ------------------------------------------------------------------------------------
@@ -394,7 +394,7 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def launch(self, batch: DecodeBatch, carry_input_ids: bool = False,
-               carry_rows: Sequence[int] | None = None, *, plan: DecodePlan | None = None) -> PendingTokens:
+               carry_rows: Sequence[int | None] | None = None, *, plan: DecodePlan | None = None) -> PendingTokens:
         """Queue one decode step of ``batch`` (plan, prepare, replay or eager forward, the copy of its
         tokens to pinned host memory) without waiting for it; its tokens come from the returned
         ``result()``, the rows' log probabilities (rows whose params set ``logprobs``) from its
@@ -404,10 +404,12 @@ class DecodeGraphRunner:
         which is still on the device (``batch.input_ids`` is ignored): the next step can be queued
         before the previous one's tokens reached the host, so the host's work for step n + 1 overlaps
         the GPU's for step n. ``carry_rows`` (implies carrying): row i's input is the token the previous
-        launch's row ``carry_rows[i]`` sampled, for a batch that dropped rows (sequences that finished);
-        a gather of the ids, on the device, before the replay. Needs the previous launch to have run
-        through the static buffers with the rows named (the first ``len(batch)`` without ``carry_rows``),
-        and ``batch`` to run through them too (``can_carry``); ValueError otherwise, with nothing queued.
+        launch's row ``carry_rows[i]`` sampled, for a batch that dropped rows (sequences that finished),
+        or, where ``carry_rows[i]`` is None, ``batch.input_ids[i]`` from the host (a row that joins the
+        carried ones: a prompt's last token); a gather of the ids, on the device, before the replay.
+        Needs the previous launch to have run through the static buffers with the rows named (the first
+        ``len(batch)`` without ``carry_rows``), and ``batch`` to run through them too (``can_carry``);
+        ValueError otherwise, with nothing queued.
         A row asking for more top logprobs than ``max_logprobs`` is a ValueError too. ``plan``: one
         ``plan_mixed`` made for this batch (its prompt part staged in the segment), else ``plan(batch)``.
 
@@ -430,13 +432,13 @@ class DecodeGraphRunner:
         return pending
 
     def _check_carry(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool,
-                     carry_rows: Sequence[int] | None) -> tuple[bool, list[int] | None]:
+                     carry_rows: Sequence[int | None] | None) -> tuple[bool, list[int | None] | None]:
         """Validate a carrying launch; returns (carry_input_ids, the rows to gather or None)."""
         if carry_rows is not None:
             carry_rows = list(carry_rows)
             if len(carry_rows) != len(batch):
                 raise ValueError(f"carry_rows names {len(carry_rows)} source rows for a batch of {len(batch)}")
-            outside = [row for row in carry_rows if not 0 <= row < self._carried_rows]
+            outside = [row for row in carry_rows if row is not None and not 0 <= row < self._carried_rows]
             if outside:
                 raise ValueError(f"cannot carry the input id of row {outside[0]}: the previous launch left "
                                  f"{self._carried_rows} sampled rows in the static buffers")
@@ -451,7 +453,7 @@ class DecodeGraphRunner:
                              f"(at most {self.max_batch_size} rows of at most {self.max_seq_len} tokens)")
         return carry_input_ids, carry_rows
 
-    def _run(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool, carry_rows: list[int] | None
+    def _run(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool, carry_rows: list[int | None] | None
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Queue the planned step; returns the [rows] int64 device tensor its tokens land in and, for a
         logprob step, the (values, ids) tensors its rows' logprobs land in."""
@@ -474,7 +476,7 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def prepare(self, batch: DecodeBatch, plan: DecodePlan, carry_input_ids: bool = False,
-                carry_rows: list[int] | None = None) -> None:
+                carry_rows: list[int | None] | None = None) -> None:
         """Write ``batch`` into the static buffers, rows padded to ``plan.key``: the token inputs (left
         on the device with ``carry_input_ids``; gathered from ``carry_rows`` of the previous launch when
         given) and the backend's attention metadata in one copy, and, unless greedy, the sampling rows."""
@@ -486,14 +488,14 @@ class DecodeGraphRunner:
             if plan.key.sampling_mode != "greedy":  # greedy graphs never read the sampling rows
                 self._static_sampling.refresh(batch.params, batch.seeds, batch.steps)
             if carry_rows is not None:
-                # Row i takes the token row carry_rows[i] sampled: gathered into a new tensor first,
-                # since the rows read and the rows written share input_ids.
-                ids = self.inputs.input_ids
-                ids[: plan.rows].copy_(ids.index_select(0, self.inputs.carry_rows[: plan.rows]))
+                # Row i takes the token row carry_rows[i] sampled, or its id fed from the host: gathered
+                # into a new tensor first, since the rows read and the rows written share input_ids.
+                inputs = self.inputs
+                inputs.input_ids[: plan.rows].copy_(inputs.carry_source.index_select(0, inputs.carry_rows[: plan.rows]))
         self._carried_rows = plan.rows
 
     def _stage(self, batch: DecodeBatch, padded: int, carry_input_ids: bool = False,
-               carry_rows: list[int] | None = None) -> None:
+               carry_rows: list[int | None] | None = None) -> None:
         """The token inputs and the attention metadata into the shared pinned staging, then one copy."""
         staging = self.graph_state.packed
         staging.wait_until_uploaded()  # the previous step's copy has read the mirror

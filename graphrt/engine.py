@@ -403,10 +403,12 @@ class LLMEngine:
                 and (plan is None or not plan.drafts_any)):
             self._in_flight = self._launch_pipelined(scheduled.decodes)
             return []
-        if (self.async_decode and scheduled.decodes and scheduled.prefills
-                and self._chunks_run_blind(scheduled.prefills, scheduled.prefill_tokens)):
+        blind = self._blind_prompt_step(scheduled) if self.async_decode and scheduled.decodes else None
+        if blind is not None:
+            prefills, lengths, decodes = blind
             try:
-                self._in_flight = self._launch_chunks(scheduled.prefills, scheduled.prefill_tokens, scheduled.decodes)
+                self._in_flight = (self._launch_chunks(prefills, lengths, decodes) if prefills
+                                   else self._launch_pipelined(decodes))
             except BaseException:
                 self.scheduler.requeue_prefills(scheduled.prefills)  # their K/V may be half-written
                 raise
@@ -466,6 +468,29 @@ class LLMEngine:
         with it, when no sequence would draft this step (a verify needs the newest tokens on the host, a
         queued step's are not there yet), judged from what is known before the tokens in flight."""
         return self.drafter is None or not self.drafter.plan(seqs, blind=True).drafts_any
+
+    def _blind_prompt_step(self, scheduled: SchedulerOutput
+                           ) -> tuple[list[Sequence], list[int], list[Sequence]] | None:
+        """A scheduled step of prompt chunks and decodes as one to queue blind: each chunk that reaches
+        its prompt's end stops a token short, and that last token joins the decodes (it samples the same
+        output index in the decode graph; the step writes the chunk's K/V before attention reads it).
+        Returns the chunks (sequences and lengths) and the decodes; None when the step must be read
+        (``_chunks_run_blind``; speculation, prompt logprobs, KV scales to calibrate)."""
+        if not scheduled.prefills or self.drafter is not None or self.runner.kv_scales_pending:
+            return None
+        prefills, lengths, finishing = [], [], []
+        for seq, length in zip(scheduled.prefills, scheduled.prefill_tokens):
+            if seq.needs_prompt_logprobs:
+                return None
+            if seq.num_computed_tokens + length == seq.num_tokens:
+                finishing.append(seq)
+                length -= 1
+            if length:
+                prefills.append(seq)
+                lengths.append(length)
+        if prefills and not self._chunks_run_blind(prefills, lengths):
+            return None
+        return prefills, lengths, scheduled.decodes + finishing
 
     def _chunks_run_blind(self, prefills: list[Sequence], lengths: list[int]) -> bool:
         """Whether prompt chunks may be queued beside a decode without reading the step's tokens
@@ -538,23 +563,26 @@ class LLMEngine:
         return outputs
 
     def _schedule_following(self, seqs: list[Sequence]
-                            ) -> tuple[list[Sequence], list[int], list[Sequence], list[int]]:
+                            ) -> tuple[list[Sequence], list[int | None], list[Sequence], list[int]]:
         """The decode after the in-flight one, planned before its tokens are known: the in-flight
         sequences that carry on, with the rows (of the in-flight launch) their inputs come from, their
-        tables grown by one position, and the next chunk of each prompt under way (their sequences and
-        lengths: ``Scheduler.chunks_under_way``, none reaching its last token). A sequence that finished
-        (a stop token, seen now), ends with the token in flight (max_tokens, max_model_len) or was aborted
+        tables grown by one position; then the prompts with one token left, which decode it from the
+        host (row None): those whose chunks are done, and those whose chunk in this step leaves them
+        one token, budget permitting; and the next chunk of each prompt under way (their sequences and
+        lengths: ``Scheduler.chunks_under_way``, none reaching its last token), a waiting prompt
+        admitted with what the budget leaves (``Scheduler.admit_blind``). A sequence that finished (a
+        stop token, seen now), ends with the token in flight (max_tokens, max_model_len) or was aborted
         is left out (it is finished when the token in flight is read). Nothing (wait for the tokens,
-        then schedule as usual) when a waiting prompt can be admitted in the budget the chunks leave, or
-        swapped in, a running sequence would be left out (a prompt whose chunks are done decodes its
-        last token from the host), a prompt under way was aborted, the chunks cannot run blind
-        (``_chunks_run_blind``), the blocks do not fit (preemption), the in-flight launch ran outside the
-        decode graphs' static buffers (it outgrew them: its tokens are not there to carry), or the rows
-        outgrow them now."""
-        nothing: tuple[list[Sequence], list[int], list[Sequence], list[int]] = ([], [], [], [])
-        rows = [row for row, seq in enumerate(seqs)
-                if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1)
-                        or seq.request_id in self._aborting)]
+        then schedule as usual) when a swapped-out sequence can come back, a prompt under way or with
+        one token left was aborted, speculation would draft or has a prompt to start from, the chunks
+        cannot run blind (``_chunks_run_blind``), the blocks do not fit (preemption), the in-flight
+        launch ran outside the decode graphs' static buffers (it outgrew them: its tokens are not there
+        to carry), or the rows outgrow them now."""
+        nothing: tuple[list[Sequence], list[int | None], list[Sequence], list[int]] = ([], [], [], [])
+        rows: list[int | None] = [
+            row for row, seq in enumerate(seqs)
+            if not (seq.is_finished or seq.at_length_limit(self.max_model_len, pending=1)
+                    or seq.request_id in self._aborting)]
         following = [seqs[row] for row in rows]
         if not following or self.scheduler.can_swap_in():
             return nothing
@@ -562,6 +590,12 @@ class LLMEngine:
             return nothing  # an aborted prompt is finished by the synchronous step
         if not self.runner.can_launch_ahead(following, rows) or not self._pipelines(following):
             return nothing
+        in_flight = {seq.seq_id for seq in seqs}
+        # Running, outside the step in flight, one prompt token left: its chunks are done (or a cached
+        # prefix left it one token). Its decode samples its first token (or, recomputed, its next).
+        fed = [seq for seq in self.scheduler.running if seq.seq_id not in in_flight and not is_prefilling(seq)]
+        if fed and (self.drafter is not None or any(seq.request_id in self._aborting for seq in fed)):
+            return nothing  # drafting starts from a prompt's first token on the host; aborts stop synchronously
         # Position num_tokens (the in-flight token's) is the one written next: cover num_tokens + 1. The
         # decodes' blocks come first, as in ``schedule``; a prompt is admitted with what they leave.
         targets = [(seq.seq_id, seq.num_tokens + 1) for seq in following]
@@ -569,22 +603,34 @@ class LLMEngine:
             return nothing
         for seq_id, num_tokens in targets:
             self.block_manager.grow(seq_id, num_tokens)
-        budget = self.max_num_batched_tokens - len(following)
+        budget = self.max_num_batched_tokens - len(following) - len(fed)
         prefills, lengths = self.scheduler.chunks_under_way(budget)
         left = budget - sum(lengths)
         if self.scheduler.can_admit(left):
-            # A waiting prompt the budget left admits (as ``schedule`` would): blind when it is too long
-            # to finish in this step, else the step waits for the tokens and admits it synchronously.
-            admitted = self.scheduler.admit_long_prompt(left) if self.drafter is None else None
+            # A waiting prompt the budget left admits (as ``schedule`` would), its first chunk stopping a
+            # token short of its end; one that cannot (speculation, prompt logprobs) waits for the tokens.
+            admitted = self.scheduler.admit_blind(left) if self.drafter is None else None
             if admitted is None:
                 return nothing
-            prefills.append(admitted)
-            lengths.append(min(left, admitted.num_tokens - 1 - admitted.num_computed_tokens))
-        in_step = {seq.seq_id for seq in seqs}
-        if any(seq.seq_id not in in_step and not is_prefilling(seq) for seq in self.scheduler.running):
-            return nothing  # (an admitted prompt whose cached prefix left it one token is one such)
+            length = min(left, admitted.num_tokens - 1 - admitted.num_computed_tokens)
+            if length:
+                prefills.append(admitted)
+                lengths.append(length)
+                left -= length
+            else:  # its cached prefix left it one token (can_admit kept a token of budget for it)
+                fed.append(admitted)
+                left -= 1
         if prefills and not self._chunks_run_blind(prefills, lengths):
             return nothing
+        # A chunk that leaves its prompt one token decodes that token in the same step: every layer writes
+        # the step's K/V before its attention reads the cache.
+        for seq, length in zip(prefills, lengths):
+            if left > 0 and seq.num_computed_tokens + length == seq.num_tokens - 1:
+                fed.append(seq)
+                left -= 1
+        following, rows = following + fed, rows + [None] * len(fed)
+        if fed and not self.runner.can_launch_ahead(following, rows):
+            return nothing  # the rows outgrow the static buffers (a prompt admitted stays under way)
         return following, rows, prefills, lengths
 
     def _record_tokens(self, seqs: list[Sequence], token_ids: list[int],

@@ -142,9 +142,11 @@ class ModelRunner:
 
         ``ahead_from``: each sequence's newest token is still on the device, sampled by the previous
         launch in row ``ahead_from[i]``, and not yet appended: its position is ``num_tokens`` and its
-        input id is carried on the device. The block tables must already cover that position. The
-        caller appends the tokens and advances ``num_computed_tokens`` when it reads them."""
-        ahead = ahead_from is not None
+        input id is carried on the device. The block tables must already cover that position. Where
+        ``ahead_from[i]`` is None the sequence decodes its newest token from the host as without
+        ``ahead_from`` (a prompt's last token, beside the carried rows). The caller appends the tokens
+        and advances ``num_computed_tokens`` when it reads them."""
+        ahead = None if ahead_from is None else [row is not None for row in ahead_from]
         with nvtx.decode(len(decodes)):
             return self.decode_runner.launch(self._decode_batch(decodes, ahead), carry_rows=ahead_from)
 
@@ -166,7 +168,8 @@ class ModelRunner:
         if not self.can_launch_chunks(prefills, lengths):
             raise ValueError("launch_chunks: a chunk reaches its sequence's last token, scores its prompt, or "
                              "the KV scales are still to calibrate")
-        mixed = self._plan_mixed(prefills, lengths, decodes, ahead=ahead_from is not None)
+        mixed = self._plan_mixed(prefills, lengths, decodes,
+                                 ahead=None if ahead_from is None else [row is not None for row in ahead_from])
         if mixed is None:
             self._prefill(prefills, lengths)  # samples nothing: no chunk reaches its end
             return self.launch_decode(decodes, ahead_from=ahead_from)
@@ -175,7 +178,7 @@ class ModelRunner:
             return self._queue_mixed(prefills, step, batch, plan, carry_rows=ahead_from)
 
     def _plan_mixed(self, prefills: list[Sequence], lengths: list[int] | None, decodes: list[Sequence],
-                    ahead: bool = False) -> tuple[_PromptStep, DecodeBatch, DecodePlan] | None:
+                    ahead: list[bool] | None = None) -> tuple[_PromptStep, DecodeBatch, DecodePlan] | None:
         """The prompt step, the decode batch (``ahead`` as for ``_decode_batch``) and the mixed graph's
         plan for running both in one forward; None, having run nothing, when none holds them: prompt
         logprobs or KV scales to calibrate, more prompt tokens or sequences than the prompt segment
@@ -192,7 +195,7 @@ class ModelRunner:
         return None if plan is None else (step, batch, plan)
 
     def _queue_mixed(self, prefills: list[Sequence], step: _PromptStep, batch: DecodeBatch, plan: DecodePlan,
-                     carry_rows: list[int] | None = None) -> PendingTokens:
+                     carry_rows: list[int | None] | None = None) -> PendingTokens:
         """Stage ``step`` in the prompt segment and queue the mixed replay (``carry_rows`` as for
         ``DecodeGraphRunner.launch``); advances the prefills' ``num_computed_tokens``."""
         self.prefill_graphs.stage(step.input_ids, step.positions, step.slots, step.query_lens, step.ends,
@@ -210,15 +213,16 @@ class ModelRunner:
         longest = max((seq.num_tokens + 1 for seq in decodes), default=0)
         return self.decode_runner.can_carry(ahead_from, longest)
 
-    def _decode_batch(self, decodes: list[Sequence], ahead: bool = False,
+    def _decode_batch(self, decodes: list[Sequence], ahead: list[bool] | None = None,
                       drafts: list[list[int]] | None = None) -> DecodeBatch:
-        """The decode of each sequence's newest token (``ahead``: of the token after it, see
-        ``launch_decode``); with ``drafts``, each sequence's row followed by one row per draft token,
-        at the next positions, sampling the next output indices (``verify``)."""
-        offset = int(ahead)
+        """The decode of each sequence's newest token (where ``ahead[i]``: of the token after it, its
+        id carried on the device, see ``launch_decode``); with ``drafts``, each sequence's row followed
+        by one row per draft token, at the next positions, sampling the next output indices
+        (``verify``)."""
         rows: list[tuple[Sequence, int, int]] = []  # (sequence, input id, offset past its newest position)
         for index, seq in enumerate(decodes):
-            rows.append((seq, 0 if ahead else seq.last_token_id, offset))
+            carried = ahead is not None and ahead[index]
+            rows.append((seq, 0 if carried else seq.last_token_id, int(carried)))
             if drafts is not None:
                 rows.extend((seq, token, 1 + j) for j, token in enumerate(drafts[index]))
         tables = {seq.seq_id: (self.block_manager.block_table(seq.seq_id), self.block_manager.table_version(seq.seq_id))

@@ -11,7 +11,8 @@ A sequence whose prompt has one token left decodes it (the decode of position ``
 samples the same output index as the prefill would). A request asking for ``prompt_logprobs`` is
 prefilled in chunks too (each chunk scores its rows) but takes no cached prefix: every token is scored.
 A pipelined engine plans a step before the previous one's tokens are read with ``chunks_under_way`` and
-``admit_long_prompt``: the same order and budget, each chunk stopping a token short of its prompt's end.
+``admit_blind``: the same order and budget, each chunk stopping a token short of its prompt's end (that
+token is then decoded, fed from the host beside the carried rows).
 
 With a swap space (``graphrt.swap_space``) a preempted decoding sequence whose blocks fit it is swapped
 out instead of recomputed, and swapped back in (before the step's decodes are scheduled, so it
@@ -173,16 +174,13 @@ class Scheduler:
             out.prefill_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, token_budget))
             token_budget -= out.prefill_tokens[-1]
 
-    def admit_long_prompt(self, token_budget: int) -> Sequence | None:
+    def admit_blind(self, token_budget: int) -> Sequence | None:
         """For a step planned before the previous step's tokens are read (a pipelined step): admit the
-        oldest waiting prompt as ``schedule`` would (``can_admit(token_budget)``), but only one longer
-        than ``token_budget`` that does not score its prompt, so that its first chunk stops short of its
-        end (``chunks_under_way`` gives it from then on); None, admitting nothing, otherwise. With a
-        cached prefix the tokens left may turn out fewer: it is then a prefill under way like any other."""
-        if not self.can_admit(token_budget):
-            return None
-        seq = self.waiting[0]
-        if seq.needs_prompt_logprobs or seq.num_tokens - seq.num_computed_tokens <= token_budget:
+        oldest waiting prompt as ``schedule`` would (``can_admit(token_budget)``), with chunked prefill,
+        unless it scores its prompt (its chunks must be read); None, admitting nothing, otherwise. Its
+        first chunk stops a token short of its end (``chunks_under_way`` gives the next ones): with a
+        cached prefix, no chunk at all may be left."""
+        if not self.chunked_prefill or not self.can_admit(token_budget) or self.waiting[0].needs_prompt_logprobs:
             return None
         return self._admit()
 

@@ -231,6 +231,14 @@ def test_runner_carries_ids_from_other_rows(async_llm):
         runner.decode(_batch(engine, seq_ids, 17, [5, 77, 300, 41]))
         carried = runner.launch(_batch(engine, [seq_ids[r] for r in kept], 18, [0, 0, 0]), carry_rows=kept).result()
         assert carried == fed
+        # Row 1 fed from the host between carried rows (a prompt's last token joining them): its id is
+        # taken, the others' ignored.
+        runner.decode(_batch(engine, seq_ids, 17, [5, 77, 300, 41]))
+        mixed_ids = [first[3], 123, first[0]]
+        fed_mixed = runner.decode(_batch(engine, [seq_ids[3], seq_ids[1], seq_ids[0]], 18, mixed_ids))
+        runner.decode(_batch(engine, seq_ids, 17, [5, 77, 300, 41]))
+        batch = _batch(engine, [seq_ids[3], seq_ids[1], seq_ids[0]], 18, [999, 123, 999])
+        assert runner.launch(batch, carry_rows=[3, None, 0]).result() == fed_mixed
         with pytest.raises(ValueError, match="cannot carry the input id of row 3"):
             runner.launch(_batch(engine, seq_ids[:2], 18, [0, 0]), carry_rows=[0, 3])
         with pytest.raises(ValueError, match="names 1 source rows for a batch of 2"):
@@ -273,3 +281,10 @@ def test_decode_inputs_refresh_keeps_device_input_ids():
     assert inputs.input_ids[:2].tolist() == [101, 102]
     assert inputs.positions[:4].tolist() == [5, 9, 0, 0]
     assert inputs.carry_rows[:2].tolist() == [1, 0]
+    # A row fed from the host beside carried ones: its id staged at fed_ids[row], its source index 4 + row.
+    inputs.refresh([7, 55, 7], [5, 9, 3], 4, keep_input_ids=True, carry_rows=[1, None, 0])
+    assert inputs.input_ids[:2].tolist() == [101, 102] and inputs.fed_ids[1].item() == 55
+    assert inputs.carry_rows[:3].tolist() == [1, 5, 0]
+    assert inputs.carry_source.index_select(0, inputs.carry_rows[:3]).tolist() == [102, 55, 101]
+    with pytest.raises(ValueError, match="1 input ids for 2 positions"):
+        inputs.refresh([7], [5, 9], 4, keep_input_ids=True, carry_rows=[1, None])

@@ -1,10 +1,11 @@
 """Prompt chunks queued blind beside pipelined decodes (``async_decode`` with chunked prefill): a step
 of chunks that sample nothing and decodes is queued before the previous step's tokens are read, the
-decodes fed from the device, and a prompt too long for the step is admitted into such a step. Checked
-on the CPU (random:tiny, float32) against the synchronous engine and against whole prompts: the same
-output, greedy and seeded, for budgets across block boundaries, with requests arriving while others
-decode, with shared prefixes, under preemption, and through an interrupted step; an abort stops a
-prompt whose chunk is in flight."""
+decodes fed from the device, a waiting prompt is admitted into such a step, and a prompt's last token is
+decoded beside the carried rows, fed from the host, so that only a step with nothing in flight runs
+synchronously. Checked on the CPU (random:tiny, float32) against the synchronous engine and against
+whole prompts: the same output, greedy and seeded, for budgets across block boundaries, with requests
+arriving while others decode, with shared prefixes (one prompt left a single token by the cache),
+under preemption, and through an interrupted step; an abort stops a prompt whose chunk is in flight."""
 
 from __future__ import annotations
 
@@ -31,17 +32,25 @@ def _params(sampling: str) -> list[SamplingParams]:
 def _staggered(llm: LLM, params: list[SamplingParams], interrupt_once: bool = False) -> tuple[list, dict, int]:
     """A request arrives every third step call; returns the tokens in prompt order, the counts of chunk
     launches (queued from a schedule, queued blind behind a step in flight, and of the latter the prompts
-    admitted blind) and the preemptions."""
+    admitted blind) and of synchronous steps with decodes (the model runner's ``execute``: they hold up
+    the decoding sequences), and the preemptions."""
     engine = llm.engine
-    launches = {"scheduled": 0, "blind": 0, "admitted": 0}
-    admit = engine.scheduler.admit_long_prompt
+    launches = {"scheduled": 0, "blind": 0, "admitted": 0, "synchronous": 0}
+    execute = engine.runner.execute
+
+    def executing(prefills, decodes, *args, **kwargs):
+        launches["synchronous"] += bool(decodes)
+        return execute(prefills, decodes, *args, **kwargs)
+
+    engine.runner.execute = executing
+    admit = engine.scheduler.admit_blind
 
     def admitting(token_budget):
         seq = admit(token_budget)
         launches["admitted"] += seq is not None
         return seq
 
-    engine.scheduler.admit_long_prompt = admitting
+    engine.scheduler.admit_blind = admitting
     interrupted = []
     launch = engine.runner.launch_chunks
 
@@ -78,25 +87,28 @@ def test_blind_chunks_give_the_synchronous_and_the_whole_prompts_output(sampling
         whole, _, _ = _staggered(llm, params)
     with _llm(max_num_batched_tokens=budget, async_decode=False) as llm:
         synchronous, launches, _ = _staggered(llm, params)
-        assert launches == {"scheduled": 0, "blind": 0, "admitted": 0}
+        assert launches["scheduled"] == launches["blind"] == launches["admitted"] == 0
     with _llm(max_num_batched_tokens=budget, async_decode=True) as llm:
         pipelined, launches, _ = _staggered(llm, params)
-    assert launches["scheduled"] > 0 and launches["blind"] > 0 and launches["admitted"] > 0
+    # Every request but the first arrives while others decode: it is admitted blind, and no step that
+    # decodes is read before the next one is queued.
+    assert launches["blind"] > 0 and launches["admitted"] == len(PROMPTS) - 1 and launches["synchronous"] == 0
     assert pipelined == synchronous == whole
 
 
 def test_blind_chunks_with_shared_prefixes_give_the_uncached_output(monkeypatch):
     """Prompts sharing a 37-token prefix (block size 4): cached blocks named as pipelined chunks are read
-    back, and later prompts take them."""
+    back, and later prompts take them; the prefix alone, asked again, is left one token by the cache
+    (admitted with no chunk, its last token decoded beside the carried rows)."""
     shared = [(29 * i) % 400 + 5 for i in range(37)]
-    prompts = [shared + [(11 * i + 3 * n) % 400 + 7 for i in range(n)] for n in (3, 20, 9, 41, 1, 30, 14, 25)]
+    prompts = [shared + [(11 * i + 3 * n) % 400 + 7 for i in range(n)] for n in (3, 20, 9, 41, 0, 30, 14, 25)]
     monkeypatch.setattr(f"{__name__}.PROMPTS", prompts)
     params = _params("seeded")
     with _llm(enable_chunked_prefill=False, enable_prefix_caching=False, async_decode=False) as llm:
         whole, _, _ = _staggered(llm, params)
     with _llm(max_num_batched_tokens=12, async_decode=True, block_size=4) as llm:
         cached, launches, _ = _staggered(llm, params)
-        assert llm.engine.prefix_cache_hit_rate > 0.3 and launches["blind"] > 0
+        assert llm.engine.prefix_cache_hit_rate > 0.3 and launches["blind"] > 0 and launches["synchronous"] == 0
     assert cached == whole
 
 
