@@ -753,7 +753,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if all(type(t) is int for t in prompt):  # the common case, without an ABC check a token
+        if set(map(type, prompt)) <= {int}:  # the common case, without a Python-level check a token
             return None, list(prompt)
         # Any integer type (NumPy's scalars included, as SamplingParams takes them), not bool.
         bad = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
@@ -765,9 +765,9 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
-        outside = [t for t in token_ids if not 0 <= t < vocab]
-        if outside:
-            raise InvalidRequestError(f"token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:  # C-level scans; the loop only names the first
+            outside = next(t for t in token_ids if not 0 <= t < vocab)
+            raise InvalidRequestError(f"token id {outside} is outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
