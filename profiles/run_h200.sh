@@ -32,7 +32,7 @@
 #                                      with step budgets of 256, 512, 1024, 2048 tokens (BUDGETS=, RATE=, MIXED=
 #                                      set them); prefix caching off (random prompts share nothing)
 #   serving-prefix                     requests sharing a 1500-token prefix: without, then with prefix caching
-#                                      (MIXED= sets --mixed-step-tokens)
+#                                      (MIXED= sets --mixed-step-tokens, RATES= the arrival rates, default 4)
 #   serving-offline                    256 requests at once (prompts 128-1024, 256 out, temperature 0.8, top-p 0.95):
 #                                      whole prompts, then the defaults (chunked prefill with prefix caching;
 #                                      BUDGET= sets --max-num-batched-tokens, MODES= the modes run)
@@ -224,12 +224,15 @@ for stage in $stages; do
       done
       ;;
     serving-prefix)
-      for mode in uncached cached; do
-        log "graphrt bench-serving: every request starts with one 1500-token prefix, $mode"
-        graphrt bench-serving --model random:llama-3.2-1b --rate 4 --num-requests 64 --prompt-len 64:32 \
-          --output-len 64 --shared-prefix 1:1500 $([ "$mode" = uncached ] && echo --no-enable-prefix-caching) \
-          ${MIXED:+--mixed-step-tokens "$MIXED"} \
-          --json "$OUT/serving_prefix_${mode}${MIXED:+_mixed$MIXED}_llama1b_$TAG.json" || status=1
+      for rate in ${RATES:-4}; do
+        for mode in uncached cached; do
+          # Rate 4 keeps the committed names; other rates add _rate<N>.
+          name="serving_prefix_${mode}$([ "$rate" = 4 ] || echo "_rate$rate")${MIXED:+_mixed$MIXED}_llama1b_$TAG"
+          log "graphrt bench-serving: every request starts with one 1500-token prefix, $mode, $rate a second"
+          graphrt bench-serving --model random:llama-3.2-1b --rate "$rate" --num-requests 64 --prompt-len 64:32 \
+            --output-len 64 --shared-prefix 1:1500 $([ "$mode" = uncached ] && echo --no-enable-prefix-caching) \
+            ${MIXED:+--mixed-step-tokens "$MIXED"} --json "$OUT/$name.json" || status=1
+        done
       done
       ;;
     serving-offline)
