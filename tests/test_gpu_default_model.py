@@ -5,10 +5,16 @@ the same file on the same GPU, in bfloat16 and float32.
 Agreement is judged token by token on chat prompts: graphrt's greedy tokens against HF's greedy tokens
 of the same dtype (tokens equal before the first difference, and HF float32's logit margin between the
 two tokens there), and every token graphrt chose against HF float32's logits teacher-forced on
-graphrt's own sequence (how far below HF's best it lies). In bfloat16 both must be within the larger of
-bfloat16 rounding (``BF16_ULPS`` units in the last place of a bfloat16 number of the logit's magnitude)
-and HF bfloat16's own worst gap on the same questions; float32 must agree with HF token for token. The
-table of figures is printed (run with ``-s``) and kept as test properties.
+graphrt's own sequence (how far below HF's best it lies). Each decode's logit error is measured too:
+graphrt reports the float32 log probabilities of its ``TOP`` most likely tokens at every step, HF float32
+teacher-forced on the same sequence scores them, and HF bfloat16 decoding that same sequence
+incrementally (its KV cache, a token a step) is measured the same way, as the yardstick.
+
+In bfloat16, graphrt's decode errors must be no larger than HF bfloat16's at the median, 90th and 99th
+percentile (within ``NOISE_SLACK``), and each chosen token and each parting from HF bfloat16 within the
+larger of bfloat16 rounding (``BF16_ULPS`` units in the last place of a bfloat16 number of the logit's
+magnitude) and HF bfloat16's 99th-percentile decode error on the same sequences; float32 must agree
+with HF token for token. The table of figures is printed (run with ``-s``) and kept as test properties.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ pytestmark = [
 
 from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
 
-from graphrt import LLM, SamplingParams  # noqa: E402
+from graphrt import LLM, RequestOutput, SamplingParams  # noqa: E402
 from graphrt.cli import main  # noqa: E402
 
 #: The chat questions, and one request to repeat a text (where prompt-lookup drafts are kept).
@@ -36,13 +42,27 @@ QUESTIONS = [*CHAT_QUESTIONS, REPEAT_QUESTION]
 NEW_TOKENS = 48
 #: A bfloat16 logit of magnitude m is a multiple of 2 ** (floor(log2 m) - 7); two such units is the
 #: least a bfloat16 run may part from float32 by (at logits of 16-32 a unit is 0.125). The bound a
-#: bfloat16 run is held to is the larger of that and how far HF's own bfloat16 greedy tokens lie below
-#: HF float32's best on the same questions (``hf_bf16_worst_gap``, measured in the same run): graphrt
-#: in bfloat16 must be at least as faithful to float32 as the reference's bfloat16 is.
+#: bfloat16 token is held to is the larger of that and the 99th percentile of HF bfloat16's own decode
+#: errors on the same sequences (measured in the same run): a decoder that errs by e on its top tokens'
+#: log probabilities can rank a token up to 2e below the best first, so a gap within the reference's
+#: usual error is one the reference's bfloat16 makes too. A single worst token is no yardstick: on the
+#: H200 graphrt's decode errors lie below HF bfloat16's at every percentile in every configuration, yet
+#: which path meets the largest near-tie depends on its trajectory.
 BF16_ULPS = 2
+#: How many of a decode's most likely tokens its logit error is measured over (their log probabilities,
+#: so a shift common to the row cancels).
+TOP = 20
+#: graphrt's bfloat16 decode errors may exceed HF bfloat16's on the same sequences by this factor at the
+#: median, 90th and 99th percentile (H200, every configuration: 0.80-0.95 of HF's). A kernel that erred
+#: more than bfloat16 rounding does (a lost block, a wrong scale) moves these percentiles by far more.
+NOISE_SLACK = 1.1
+#: float32: the largest decode logit error allowed against HF float32 (other kernels, same precision).
+FLOAT32_LOGIT_ERROR = 1e-2
 #: float32: the most a chosen token may lie below HF float32's best (measured: 0, every token equal).
 FLOAT32_MARGIN = 1e-3
 ANSWER = "The capital of France is Paris."
+#: Every run's requests: greedy, a fixed length, the top tokens' log probabilities reported.
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
 
 
 def bf16_rounding(logit: float) -> float:
@@ -94,16 +114,46 @@ def hf_teacher_forced(model, prompt: list[int], generated: list[int]) -> torch.T
     return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)]
 
 
-@pytest.fixture(scope="module")
-def hf_bf16_worst_gap(hf_models, runs) -> float:
-    """How far HF bfloat16's own greedy tokens lie below HF float32's best, at worst, on the questions."""
-    prompts = runs["bfloat16", "graphs", "off"]["prompts"]
-    worst = 0.0
-    for prompt in prompts:
-        tokens = hf_greedy(hf_models["bfloat16"], prompt, NEW_TOKENS)
-        worst = max(worst, *gaps_below_best(hf_teacher_forced(hf_models["float32"], prompt, tokens), tokens))
-    print(f"\nHF bfloat16's greedy tokens: at worst {worst:.4g} below HF float32's best")
-    return worst
+_hf_decodes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+
+
+@torch.inference_mode()
+def hf_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``model`` decoding the given sequence incrementally (the prompt in one forward, then one of
+    ``tokens`` a step through its KV cache): its greedy choice before each token, and its ``TOP`` most
+    likely tokens there, ids [len(tokens), TOP] int64 and their float32 log probabilities, same shape."""
+    key = (id(model), tuple(prompt), tuple(tokens))
+    if key not in _hf_decodes:
+        out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
+        past, rows = out.past_key_values, [out.logits[0, -1].float()]
+        for token in tokens[:-1]:
+            out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            rows.append(out.logits[0, -1].float())
+        logprobs = torch.stack(rows).log_softmax(dim=-1)
+        top = logprobs.topk(TOP, dim=-1)
+        _hf_decodes[key] = (logprobs.argmax(dim=-1).tolist(), top.indices, top.values)
+    return _hf_decodes[key]
+
+
+def decode_errors(judge_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[T] float32: at each step the largest |log p - log p_judge| over the tokens ``ids`` [T, TOP] whose
+    log probabilities ``values`` [T, TOP] a decoder reported; ``judge_logits`` [T, V] float32."""
+    judged = judge_logits.log_softmax(dim=-1).gather(1, ids)
+    return (values - judged).abs().max(dim=-1).values
+
+
+def reported_top(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's reported most likely tokens at each step: ids [T, TOP] int64 and float32 log
+    probabilities, same shape (``SamplingParams.logprobs=TOP``)."""
+    ids = torch.tensor([[token for token, _ in entry.top] for entry in out.logprobs], device="cuda")
+    values = torch.tensor([[value for _, value in entry.top] for entry in out.logprobs], device="cuda")
+    return ids, values
+
+
+def percentiles(errors: torch.Tensor) -> dict[str, float]:
+    return {name: errors.quantile(q).item() for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))} | {
+        "max": errors.max().item()}
 
 
 @pytest.fixture(scope="module")
@@ -121,35 +171,36 @@ def runs():
             for method, method_options in speculation.items():
                 with LLM(progress=False, **dtype_options, **mode_options, **method_options) as llm:
                     prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
-                    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                                                   ignore_eos=True))
+                    outputs = llm.generate(prompts, GREEDY)
                     results[dtype, mode, method] = dict(
                         prompts=prompts, tokens=[out.token_ids for out in outputs],
+                        reported=[reported_top(out) for out in outputs],
                         stats=llm.engine.decode_runner.stats.as_dict(),
                         speculative=llm.engine.speculative_stats if method != "off" else None)
     for dtype, dtype_options in dtypes.items():  # arrivals: each question while the earlier ones decode
         with LLM(progress=False, **dtype_options) as llm:
             prompts = [llm.chat_prompt_ids(q) for q in QUESTIONS]
-            tokens = arriving(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-            results[dtype, "arrivals", "off"] = dict(prompts=prompts, tokens=tokens,
+            outputs = arriving(llm, prompts, GREEDY)
+            results[dtype, "arrivals", "off"] = dict(prompts=prompts, tokens=[out.token_ids for out in outputs],
+                                                      reported=[reported_top(out) for out in outputs],
                                                       stats=llm.engine.decode_runner.stats.as_dict(), speculative=None)
     return results
 
 
-def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> list[list[int]]:
-    """Token ids of each prompt added ``every`` steps after the one before (the engine's step loop, as a
-    server runs it): with the default ``mixed_step_tokens`` a prompt arriving beside decodes shares their
-    forward."""
-    engine, tokens = llm.engine, {}
+def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> list[RequestOutput]:
+    """The last output of each prompt added ``every`` steps after the one before (the engine's step loop,
+    as a server runs it): prompts arrive beside decodes, in mixed steps or as rows of the pipelined decode
+    batch."""
+    engine, last = llm.engine, {}
     for index, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=str(index))
         for _ in range(every):
             for out in engine.step():
-                tokens[out.request_id] = out.token_ids
+                last[out.request_id] = out
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens[out.request_id] = out.token_ids
-    return [tokens[str(index)] for index in range(len(prompts))]
+            last[out.request_id] = out
+    return [last[str(index)] for index in range(len(prompts))]
 
 
 def test_readme_question_gets_paris_in_the_default_configuration(capsys):
@@ -172,48 +223,71 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode, speculation", [("graphs", "off"), ("eager", "off"), ("graphs", "ngram"),
                                                ("eager", "ngram"), ("arrivals", "off")])
-def test_greedy_tokens_agree_with_hf(runs, hf_models, hf_bf16_worst_gap, dtype, mode, speculation, record_property):
-    """Speculation's output and that of prompts arriving beside decodes (mixed steps) are judged as the
-    plain output is: against HF float32 on its own sequence."""
+def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, record_property):
+    """Speculation's output and that of prompts arriving beside decodes are judged as the plain output is:
+    against HF float32 on its own sequence, with HF bfloat16 decoding that sequence as the yardstick."""
     run = runs[(dtype, mode, speculation)]
     if mode == "arrivals":
         assert run["stats"]["mixed_steps"] > 0
     reference, judge = hf_models[dtype], hf_models["float32"]
+    judged, ours_errors, their_errors = [], [], []
+    for prompt, ours, reported in zip(run["prompts"], run["tokens"], run["reported"]):
+        logits = hf_teacher_forced(judge, prompt, ours)  # HF float32 on graphrt's own sequence
+        judged.append(logits)
+        ours_errors.append(decode_errors(logits, *reported))
+        if dtype == "bfloat16":
+            their_errors.append(decode_errors(logits, *hf_decode(reference, prompt, ours)[1:]))
+    ours_spread = percentiles(torch.cat(ours_errors))
+    print(f"\n[{dtype} {mode} speculation {speculation}] decode logit errors against HF float32 on the same "
+          f"sequences: graphrt {_rounded(ours_spread)}")
+    record_property("decode_logit_errors", ours_spread)
+    if dtype == "bfloat16":
+        their_spread = percentiles(torch.cat(their_errors))
+        print(f"  HF bfloat16 decoding the same sequences {_rounded(their_spread)}")
+        record_property("hf_bf16_decode_logit_errors", their_spread)
+        for name in ("p50", "p90", "p99"):
+            assert ours_spread[name] <= NOISE_SLACK * their_spread[name], (
+                f"graphrt's bf16 decode errs more than HF bf16's on the same sequences at {name}: "
+                f"{ours_spread[name]:.4g} against {their_spread[name]:.4g}")
+    else:
+        assert ours_spread["max"] <= FLOAT32_LOGIT_ERROR, ours_spread
+
+    def bound(logit: float) -> float:
+        return max(bf16_rounding(logit), their_spread["p99"]) if dtype == "bfloat16" else FLOAT32_MARGIN
+
     rows, worst_gap, equal = [], 0.0, 0
-
-    def bf16_bound(logit: float) -> float:
-        return max(bf16_rounding(logit), hf_bf16_worst_gap)
-
-    for question, prompt, ours in zip(QUESTIONS, run["prompts"], run["tokens"]):
+    for question, prompt, ours, logits in zip(QUESTIONS, run["prompts"], run["tokens"], judged):
         theirs = hf_greedy(reference, prompt, NEW_TOKENS)
         same = _first_difference(ours, theirs)
         equal += same
-        logits = hf_teacher_forced(judge, prompt, ours)  # HF float32 on graphrt's own sequence
         best = logits.max(dim=-1).values
-        gaps = gaps_below_best(logits, ours)
         margin = None
         if same < NEW_TOKENS:  # both tokens scored by HF float32 after the common prefix
             margin = abs(logits[same, ours[same]].item() - logits[same, theirs[same]].item())
         rows.append((question, same, margin))
-        for step, gap in enumerate(gaps):
-            bound = bf16_bound(best[step].item()) if dtype == "bfloat16" else FLOAT32_MARGIN
+        for step, gap in enumerate(gaps_below_best(logits, ours)):
             worst_gap = max(worst_gap, gap)
-            assert gap <= bound, (f"{question!r} step {step}: graphrt chose token {ours[step]}, {gap:.4g} below HF "
-                                  f"float32's best (bound {bound:.3g})")
+            assert gap <= bound(best[step].item()), (
+                f"{question!r} step {step}: graphrt chose token {ours[step]}, {gap:.4g} below HF float32's best "
+                f"(bound {bound(best[step].item()):.3g})")
         if margin is not None:
-            bound = bf16_bound(logits[same].max().item()) if dtype == "bfloat16" else FLOAT32_MARGIN
-            assert margin <= bound, f"{question!r}: parts from HF {dtype} at token {same}, margin {margin:.4g}"
+            assert margin <= bound(best[same].item()), \
+                f"{question!r}: parts from HF {dtype} at token {same}, margin {margin:.4g}"
     total = NEW_TOKENS * len(QUESTIONS)
     record_property("tokens_equal", equal)
     record_property("tokens_total", total)
     record_property("worst_teacher_forced_gap", worst_gap)
-    print(f"\n[{dtype} {mode} speculation {speculation}] vs HF {dtype}: {equal}/{total} tokens equal before the "
-          f"first difference; worst gap below HF float32's best {worst_gap:.4g}")
+    print(f"  vs HF {dtype}: {equal}/{total} tokens equal before the first difference; worst gap below HF "
+          f"float32's best {worst_gap:.4g}")
     for question, same, margin in rows:
         where = "agrees throughout" if margin is None else f"parts at token {same}, HF float32 margin {margin:.4g}"
         print(f"  {question:48s} {where}")
     if dtype == "float32":
         assert equal == total
+
+
+def _rounded(spread: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4g}" for name, value in spread.items())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
