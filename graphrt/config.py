@@ -98,7 +98,8 @@ class EngineConfig:
     #: CUDA: a step that decodes and has at most this many prompt tokens (whole short prompts, or chunks)
     #: runs them in the decode's own forward, through mixed graphs captured per decode batch size for
     #: prompt-token buckets from a quarter of this number up to it (capped by the prompt graphs'), so the
-    #: weights are read once for both; larger prompt parts run their own forward first. 0 = never.
+    #: weights are read once for both; larger prompt parts run their own forward first, as do those of
+    #: steps where a decode row asks for ``logprobs`` (mixed graphs have no logprob outputs). 0 = never.
     mixed_step_tokens: int = 512
     #: Batch sizes to capture decode graphs for; None = 1, 2, 4, then multiples of 8 up to 256,
     #: trimmed to max_num_seqs.

