@@ -40,6 +40,7 @@ from graphrt.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
+from hf_reference import hf_greedy, hf_incremental_decode, hf_step_logits, logprob_errors, reported_top  # noqa: E402
 
 QUESTIONS = [*CHAT_QUESTIONS, REPEAT_QUESTION]
 #: How many of a decode's most likely tokens its logit error is measured over.
@@ -62,47 +63,6 @@ CONFIGURATIONS = {
 def two_bf16_units(logit: float) -> float:
     """Two units in the last place of a bfloat16 number of ``logit``'s magnitude."""
     return 2 * 2.0 ** (math.floor(math.log2(max(abs(logit), 1e-30))) - 7)
-
-
-@torch.inference_mode()
-def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), V] float32: ``model``'s logits before each of ``tokens``."""
-    logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids, past, tokens = torch.tensor([prompt], device="cuda"), None, []
-    for _ in range(steps):
-        out = model(ids, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tokens.append(int(out.logits[0, -1].float().argmax()))
-        ids = torch.tensor([[tokens[-1]]], device="cuda")
-    return tokens
-
-
-@torch.inference_mode()
-def decode_choices(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """``model``'s greedy choice before each of ``tokens``, decoding the given sequence incrementally:
-    the prompt in one forward, then one token a step through its KV cache. Also its ``TOP`` most likely
-    tokens at each step: ids [len(tokens), TOP] int64 and their float32 log probabilities, same shape."""
-    out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
-    past, rows = out.past_key_values, [out.logits[0, -1].float()]
-    for token in tokens[:-1]:
-        out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        rows.append(out.logits[0, -1].float())
-    logprobs = torch.stack(rows).log_softmax(dim=-1)
-    top = logprobs.topk(TOP, dim=-1)
-    return logprobs.argmax(dim=-1).tolist(), top.indices, top.values
-
-
-def logprob_errors(judge_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[T] float32: at each step the largest |log p - log p_judge| over the tokens ``ids`` [T, K] whose
-    log probabilities ``values`` [T, K] a decoder reported; ``judge_logits`` [T, V] float32."""
-    judged = judge_logits.log_softmax(dim=-1).gather(1, ids)
-    return (values - judged).abs().max(dim=-1).values
 
 
 def spread(errors: torch.Tensor) -> dict:
@@ -133,25 +93,17 @@ def arriving(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: 
     return [last[i] for i in ids], [mixed.get(i, []) for i in ids]
 
 
-def reported_top(outputs: RequestOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's reported most likely tokens at each step: ids [T, TOP] int64 and float32 log
-    probabilities, same shape (``SamplingParams.logprobs=TOP``)."""
-    ids = torch.tensor([[token for token, _ in entry.top] for entry in outputs.logprobs], device="cuda")
-    values = torch.tensor([[value for _, value in entry.top] for entry in outputs.logprobs], device="cuda")
-    return ids, values
-
-
 def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[int]],
           mixed: list[list[int]] | None, yardstick=None, reported: list[tuple] | None = None) -> dict:
     """Gap statistics of ``outputs`` under ``judge_model`` (HF float32), and the tokens beyond two bf16
     units; with ``reported`` (each request's ``reported_top``), the spread of the decoder's logit errors
     (``logprob_errors``). With ``yardstick`` (HF bf16), its incremental decode's choices on the same
-    sequences judged the same way (``decode_choices``), its logit errors, and the steps where ``outputs``
+    sequences judged the same way (``hf_incremental_decode``), its logit errors, and the steps where ``outputs``
     lie further below than both its gap and two bf16 units."""
     gaps, beyond, worst_per_question, yardstick_gaps, beyond_yardstick = [], [], [], [], []
     errors, yardstick_errors = [], []
     for question, (prompt, tokens) in enumerate(zip(prompts, outputs)):
-        logits = teacher_forced(judge_model, prompt, tokens)
+        logits = hf_step_logits(judge_model, prompt, tokens)
         best = logits.max(dim=-1).values
         chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
         row = (best - chosen).tolist()
@@ -167,7 +119,7 @@ def judge(name: str, judge_model, prompts: list[list[int]], outputs: list[list[i
                                    returned_by_mixed_step=bool(mixed and step in mixed[question]),
                                    logit_error=None if error_row is None else round(error_row[step].item(), 4)))
         if yardstick is not None:
-            choices, top_ids, top_values = decode_choices(yardstick, prompt, tokens)
+            choices, top_ids, top_values = hf_incremental_decode(yardstick, prompt, tokens, TOP)
             theirs = torch.tensor(choices, device="cuda")
             their_row = (best - logits.gather(1, theirs[:, None])[:, 0]).tolist()
             yardstick_gaps += their_row
@@ -222,14 +174,14 @@ def main() -> None:
             mixed_steps = llm.engine.decode_runner.stats.mixed_steps
         yardstick = hf["bfloat16"] if args.same_context else None
         outputs = [out.token_ids for out in finished]
-        reported = None if args.no_logprobs else [reported_top(out) for out in finished]
+        reported = None if args.no_logprobs else [reported_top(out, "cuda") for out in finished]
         results.append(dict(judge(name, hf["float32"], prompts, outputs, mixed, yardstick, reported),
                             mixed_steps=mixed_steps))
         print(json.dumps(results[-1]), f"({time.perf_counter() - started:.0f} s)", flush=True)
     hf_tokens = [hf_greedy(hf["bfloat16"], prompt, args.new_tokens) for prompt in prompts]
     results.append(judge("hf_transformers_bf16", hf["float32"], prompts, hf_tokens, None, hf["bfloat16"]))
     print(json.dumps(results[-1]), flush=True)
-    errors = torch.cat([(teacher_forced(hf["bfloat16"], prompt, tokens) - teacher_forced(hf["float32"], prompt, tokens))
+    errors = torch.cat([(hf_step_logits(hf["bfloat16"], prompt, tokens) - hf_step_logits(hf["float32"], prompt, tokens))
                         .abs().max(dim=-1).values for prompt, tokens in zip(prompts, hf_tokens)])
     logit_error = dict(median=errors.median().item(), p99=errors.quantile(0.99).item(), max=errors.max().item())
     print("HF bf16 against HF float32, largest logit error per position:", json.dumps(logit_error))

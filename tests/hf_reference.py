@@ -1,4 +1,5 @@
-"""HF transformers as the trusted reference: greedy continuations and teacher-forced logits."""
+"""HF transformers as the trusted reference: greedy continuations, teacher-forced logits, the incremental
+decode of a given sequence, and a decoder's logit error against a judge's logits."""
 
 from __future__ import annotations
 
@@ -82,3 +83,39 @@ def graphrt_greedy_with_logits(llm, prompt: list[int], max_tokens: int) -> tuple
     finally:
         del model.compute_logits  # back to the class's method
     return out.token_ids, torch.stack(recorded)
+
+
+@torch.inference_mode()
+def hf_incremental_decode(model, prompt: list[int], tokens: list[int], top: int
+                          ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``model`` decoding the given sequence as it decodes its own: the prompt in one forward, then one
+    of ``tokens`` a step through its KV cache (the fair yardstick for a decode step, where
+    ``hf_step_logits`` runs one forward of the whole sequence). Its greedy choice before each token, and
+    its ``top`` most likely tokens there: ids [len(tokens), top] int64 and their float32 log
+    probabilities, same shape."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
+    past, rows = out.past_key_values, [out.logits[0, -1].float()]
+    for token in tokens[:-1]:
+        out = model(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        rows.append(out.logits[0, -1].float())
+    logprobs = torch.stack(rows).log_softmax(dim=-1)
+    best = logprobs.topk(top, dim=-1)
+    return logprobs.argmax(dim=-1).tolist(), best.indices, best.values
+
+
+def logprob_errors(judge_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[T] float32: at each step the largest |log p - log p_judge| over the tokens ``ids`` [T, K] whose
+    log probabilities ``values`` [T, K] a decoder reported; ``judge_logits`` [T, V] float32. Log
+    probabilities, so a shift common to the row cancels."""
+    judged = judge_logits.log_softmax(dim=-1).gather(1, ids)
+    return (values - judged).abs().max(dim=-1).values
+
+
+def reported_top(output, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A graphrt ``RequestOutput``'s reported most likely tokens at each step (``SamplingParams.logprobs``
+    set): ids [T, K] int64 and their float32 log probabilities, same shape, on ``device``."""
+    ids = torch.tensor([[token for token, _ in entry.top] for entry in output.logprobs], device=device)
+    values = torch.tensor([[value for _, value in entry.top] for entry in output.logprobs], device=device)
+    return ids, values

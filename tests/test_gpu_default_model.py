@@ -35,6 +35,8 @@ pytestmark = [
 ]
 
 from chat_questions import CHAT_QUESTIONS, REPEAT_QUESTION  # noqa: E402
+from hf_reference import hf_incremental_decode, hf_step_logits, logprob_errors, reported_top  # noqa: E402
+from hf_reference import hf_greedy as hf_greedy_uncached  # noqa: E402
 
 from graphrt import LLM, RequestOutput, SamplingParams  # noqa: E402
 from graphrt.cli import main  # noqa: E402
@@ -93,67 +95,24 @@ def hf_models():
 _hf_greedy_runs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
 
-@torch.inference_mode()
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """HF's greedy continuation through its own KV cache (computed once per model and prompt)."""
     key = (id(model), tuple(prompt))
     if key not in _hf_greedy_runs:
-        _hf_greedy_runs[key] = _hf_greedy(model, prompt, steps)
+        _hf_greedy_runs[key] = hf_greedy_uncached(model, prompt, steps)
     return _hf_greedy_runs[key]
-
-
-def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids, past, generated = torch.tensor([prompt], device="cuda"), None, []
-    for _ in range(steps):
-        out = model(ids, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        generated.append(int(out.logits[0, -1].float().argmax()))
-        ids = torch.tensor([[generated[-1]]], device="cuda")
-    return generated
-
-
-@torch.inference_mode()
-def hf_teacher_forced(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """[len(generated), V] float32: the model's logits before each generated token."""
-    logits = model(torch.tensor([prompt + generated], device="cuda")).logits[0].float()
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)]
 
 
 _hf_decodes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
 
 
-@torch.inference_mode()
 def hf_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """``model`` decoding the given sequence incrementally (the prompt in one forward, then one of
-    ``tokens`` a step through its KV cache): its greedy choice before each token, and its ``TOP`` most
-    likely tokens there, ids [len(tokens), TOP] int64 and their float32 log probabilities, same shape."""
+    """``hf_incremental_decode`` of the given sequence with its ``TOP`` most likely tokens (computed once
+    per model and sequence: graphs and eager runs share their sequences)."""
     key = (id(model), tuple(prompt), tuple(tokens))
     if key not in _hf_decodes:
-        out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
-        past, rows = out.past_key_values, [out.logits[0, -1].float()]
-        for token in tokens[:-1]:
-            out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            rows.append(out.logits[0, -1].float())
-        logprobs = torch.stack(rows).log_softmax(dim=-1)
-        top = logprobs.topk(TOP, dim=-1)
-        _hf_decodes[key] = (logprobs.argmax(dim=-1).tolist(), top.indices, top.values)
+        _hf_decodes[key] = hf_incremental_decode(model, prompt, tokens, TOP)
     return _hf_decodes[key]
-
-
-def decode_errors(judge_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[T] float32: at each step the largest |log p - log p_judge| over the tokens ``ids`` [T, TOP] whose
-    log probabilities ``values`` [T, TOP] a decoder reported; ``judge_logits`` [T, V] float32."""
-    judged = judge_logits.log_softmax(dim=-1).gather(1, ids)
-    return (values - judged).abs().max(dim=-1).values
-
-
-def reported_top(out) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's reported most likely tokens at each step: ids [T, TOP] int64 and float32 log
-    probabilities, same shape (``SamplingParams.logprobs=TOP``)."""
-    ids = torch.tensor([[token for token, _ in entry.top] for entry in out.logprobs], device="cuda")
-    values = torch.tensor([[value for _, value in entry.top] for entry in out.logprobs], device="cuda")
-    return ids, values
 
 
 def percentiles(errors: torch.Tensor) -> dict[str, float]:
@@ -183,7 +142,7 @@ class Runs(dict):
                 outputs, reported = arriving(llm, prompts, GREEDY_TOKENS), None
             else:
                 outputs = llm.generate(prompts, GREEDY)
-                reported = [reported_top(out) for out in outputs]
+                reported = [reported_top(out, "cuda") for out in outputs]
             self[key] = dict(prompts=prompts, tokens=[out.token_ids for out in outputs], reported=reported,
                              stats=llm.engine.decode_runner.stats.as_dict(),
                              speculative=llm.engine.speculative_stats if method != "off" else None)
@@ -244,12 +203,12 @@ def test_greedy_tokens_agree_with_hf(runs, hf_models, dtype, mode, speculation, 
     reference, judge = hf_models[dtype], hf_models["float32"]
     judged, ours_errors, their_errors = [], [], []
     for index, (prompt, ours) in enumerate(zip(run["prompts"], run["tokens"])):
-        logits = hf_teacher_forced(judge, prompt, ours)  # HF float32 on graphrt's own sequence
+        logits = hf_step_logits(judge, prompt, ours)  # HF float32 on graphrt's own sequence
         judged.append(logits)
         if run["reported"] is not None:
-            ours_errors.append(decode_errors(logits, *run["reported"][index]))
+            ours_errors.append(logprob_errors(logits, *run["reported"][index]))
         if dtype == "bfloat16":
-            their_errors.append(decode_errors(logits, *hf_decode(reference, prompt, ours)[1:]))
+            their_errors.append(logprob_errors(logits, *hf_decode(reference, prompt, ours)[1:]))
     print(f"\n[{dtype} {mode} speculation {speculation}] decode logit errors against HF float32 on the same "
           "sequences:")
     if ours_errors:
