@@ -143,6 +143,7 @@ class LLMEngine:
         #: speculation's draft lengths (None without it).
         self.step_costs: StepCosts | None = None
         self._completed_step: tuple[int, str] | None = None  # (rows, step_costs kind) of the step just read
+        self._completed_verify: tuple[int, int] | None = None  # (sequences, tokens appended) of a verify just run
         self._draft_decode_runner: DecodeGraphRunner | None = None
         if speculative is not None:
             draft = None if self.draft_model_weights is None else self._draft_model(num_blocks, progress)
@@ -355,14 +356,17 @@ class LLMEngine:
         chunks done, blocks running out, ...): a call may return no outputs while requests are
         unfinished."""
         self._check_open()
-        started, self._completed_step = time.perf_counter(), None
+        started, self._completed_step, self._completed_verify = time.perf_counter(), None, None
         with nvtx.range("step"):
             outputs = self._step_pipelined(self._in_flight) if self._in_flight is not None else self._step()
         # Aborted requests' outputs, taken after the step (one that raises leaves them for the next).
         aborted, self._aborted_outputs = self._aborted_outputs, []
         outputs = aborted + outputs
+        seconds = time.perf_counter() - started
         if self.step_costs is not None and self._completed_step is not None:
-            self.step_costs.observe(*self._completed_step, time.perf_counter() - started)
+            self.step_costs.observe(*self._completed_step, seconds)
+        if self._completed_verify is not None:
+            self.drafter.observe_verify(*self._completed_verify, seconds)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -450,6 +454,7 @@ class LLMEngine:
                 seq.append_token(token_id, self.max_model_len, token_logprobs)
         self.drafter.begin([seq for seq in prefilled if not seq.is_finished])
         self._cache_computed([seq for seq, token_id in zip(prefills, token_ids) if token_id is None])
+        appended_total = 0
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
             kept = self.drafter.kept_tokens(draft, row_tokens)
             appended = 0
@@ -459,8 +464,11 @@ class LLMEngine:
                 if seq.is_finished:
                     break
             self.drafter.record(seq, len(draft), len(kept) - 1, appended)
+            appended_total += appended
             # The K/V of every appended token but the newest is in the cache (the newest is the next input).
             seq.num_computed_tokens = seq.num_tokens - 1
+        if not prefills and any(drafts):
+            self._completed_verify = (len(decodes), appended_total)
         return self._finish_step(prefilled + decodes)
 
     def _pipelines(self, seqs: list[Sequence]) -> bool:

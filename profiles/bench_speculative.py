@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                                          if verify_seconds else None),
                        plain_ms_per_token_row=1e3 * batch / (generated / seconds["plain"]),
                        host_share_ms={kind: 1e3 * extra for kind, extra in
-                                      engines["speculative"].engine.step_costs.extra_seconds.items()})
+                                      engines["speculative"].engine.step_costs.extra_seconds.items()},
+                       measured_verify_speedup=engines["speculative"].engine.drafter.payoff.speedups())
             row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
             results.append(row)
             print(f"{scenario:>8} {batch:>5} {row['plain_tokens_per_s']:>11.1f} "

@@ -1,7 +1,8 @@
 """Prompt lookup's draft lengths: the acceptance estimate, the step-cost model, the plan that weighs a
-verify's rows against the tokens they may bring, lookups scored while nothing is drafted, and the
-engine with measured-looking costs on the CPU (drafting stops where verifies cost more than they
-bring, and the output never changes)."""
+verify's rows against the tokens they may bring, lookups scored while nothing is drafted, the measured
+payoff that stops drafting where verifies turned out slower than plain steps, and the engine with
+measured-looking costs on the CPU (drafting stops where verifies cost more than they bring, and the
+output never changes)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 from graphrt import LLM, SamplingParams
 from graphrt.capture import choose_bucket
-from graphrt.speculative import draft_policy, ngram
+from graphrt.speculative import draft_policy, ngram, payoff
 from graphrt.speculative.draft_policy import MIN_TOKEN_GAIN, Acceptance, plan_lengths
+from graphrt.speculative.payoff import FIRST_PROBE, LAST_PROBE, MIN_VERIFIES, Payoff
 from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, WINDOW, StepCosts
 
 BUCKETS = [1, 2, 4, 8, 16]
@@ -83,6 +85,43 @@ def test_plan_prefers_likely_tokens_and_keeps_within_the_rows():
     # Without measured costs (no graphs) rows count as free.
     assert plan_lengths([0.9, 0.5], [4, 4], None, PIPELINED, 16) == [4, 1]
     assert plan_lengths([0.9], [4], StepCosts(dict, lambda rows: rows), PIPELINED, 16) == [4]
+
+
+def test_payoff_stops_drafting_where_verifies_measured_slower_and_probes_less_often():
+    gate = Payoff(lambda sequences: choose_bucket(BUCKETS, sequences))
+    plain = 1e-3  # a plain step of the sequences: 1 ms
+    for _ in range(MIN_VERIFIES - 1):  # too few verifies to judge: drafting goes on
+        gate.observe(1, 2, 4e-3, plain)  # 2 tokens in 4 ms: half a plain step's rate
+        assert gate.allows(1)
+    gate.observe(1, 2, 4e-3, plain)
+    assert gate.speedups()[1] == pytest.approx(0.5)
+    waits = []
+    for _ in range(3):  # probes that do not pay: each waits twice as long as the one before
+        wanted = 0
+        while not gate.allows(1):
+            wanted += 1
+        assert gate.allows(1)  # the probe stays allowed until it is measured (planned blind, then read)
+        waits.append(wanted)
+        gate.observe(1, 2, 4e-3, plain)
+    assert waits == [FIRST_PROBE, 2 * FIRST_PROBE, 4 * FIRST_PROBE]
+    assert gate.allows(2) and gate.allows(5)  # other buckets are judged on their own
+    while not gate.allows(1):
+        pass
+    gate.observe(1, 9, 1e-3, plain)  # a probe that paid well (9 tokens in a plain step's time)
+    assert gate.speedups()[1] > 1 and all(gate.allows(1) for _ in range(2 * LAST_PROBE))
+    gate.observe(1, 2, 2e-3, None)  # no plain step to weigh it against: not counted
+    gate.observe(1, 2, 2e-3, plain)  # verifies at the plain rate pay (not slower)
+    assert gate.allows(1)
+
+
+def test_payoff_probes_wait_at_most_the_last_probe():
+    gate = Payoff(lambda sequences: 1)
+    for _ in range(20):
+        gate.observe(1, 1, 5e-3, 1e-3)
+        wanted = 0
+        while not gate.allows(1):
+            wanted += 1
+    assert wanted == LAST_PROBE
 
 
 def _llm(**options) -> LLM:
@@ -173,3 +212,53 @@ def test_more_sequences_than_verify_rows_draft_nothing_past_the_rows(adaptive):
         outs = llm.generate(prompts, params)
     assert [out.token_ids for out in outs] == plain
     assert plans and all(min(lengths) >= 0 and n + sum(lengths) <= max(n, 2) for n, lengths in plans)
+
+
+def test_verifies_measured_slower_than_plain_steps_stop_drafting(monkeypatch):
+    """Replay times say rows are free and lookups are always right, and one verify in three takes 1 ms
+    of wall time, so the cost model (a low quantile of the host's share) judges verifies as cheap as the
+    1 ms plain steps queued blind and drafts at every step; but the other verifies take 40 ms (a clock
+    the test drives). The measured payoff stops drafting after a few verifies, but for probes. Same
+    output."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with _llm() as llm:
+        plain = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    _lookups_from(monkeypatch, {tuple(p): out for p, out in zip(PROMPTS, plain)}, right_from=0)
+    import graphrt.engine
+
+    proposed, verifies, speedups = {}, {}, {}
+    for name, min_verifies in (("measured", MIN_VERIFIES), ("never judged", 10**9)):
+        monkeypatch.setattr(payoff, "MIN_VERIFIES", min_verifies)
+        clock = [0.0]
+        monkeypatch.setattr(graphrt.engine, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+        with _llm(speculative="ngram:4", max_num_seqs=1, async_decode=True) as llm:
+            engine, verifies[name] = llm.engine, 0
+            engine.decode_runner.stats.replay_seconds = {size: 1e-3 for size in engine.decode_runner.capture_sizes}
+            runner = engine.runner
+            verify, execute, launch_decode = runner.verify, runner.execute, runner.launch_decode
+
+            def timed_verify(decodes, drafts, name=name, verify=verify):
+                if any(drafts):
+                    clock[0] += 1e-3 if verifies[name] % 3 == 0 else 40e-3
+                    verifies[name] += 1
+                else:
+                    clock[0] += 1e-3
+                return verify(decodes, drafts)
+
+            def timed(call):
+                def run(*args, **kwargs):
+                    clock[0] += 1e-3
+                    return call(*args, **kwargs)
+                return run
+
+            monkeypatch.setattr(runner, "verify", timed_verify)
+            monkeypatch.setattr(runner, "execute", timed(execute))
+            monkeypatch.setattr(runner, "launch_decode", timed(launch_decode))
+            outs = llm.generate(PROMPTS, params)
+            proposed[name] = engine.speculative_stats.proposed_tokens
+            speedups[name] = engine.drafter.payoff.speedups()
+        assert [out.token_ids for out in outs] == plain
+    # The verifies' measured rate: up to 5 tokens in 27 ms on average, against 1 ms a token.
+    assert 0 < speedups["measured"][1] < 0.5 and 0 < speedups["never judged"][1] < 0.5
+    assert verifies["never judged"] >= 20 and verifies["measured"] <= MIN_VERIFIES + 4, verifies
+    assert proposed["measured"] < proposed["never judged"] / 3

@@ -22,6 +22,7 @@ from graphrt.speculative.config import SpeculativeConfig
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.draft_policy import Acceptance, plan_lengths
 from graphrt.speculative.ngram import NgramIndex
+from graphrt.speculative.payoff import Payoff
 from graphrt.speculative.step_costs import SYNCHRONOUS, StepCosts
 
 #: Steps a sequence stops drafting after consecutive verifies that kept no draft token: doubled on each
@@ -128,7 +129,8 @@ class Drafter:
     Prompt lookup's lengths come from ``draft_policy``: each request's acceptance is learnt from its
     verifies and, where it drafts nothing, from its lookups checked against the tokens the target then
     gave (a lookup costs no forward), and the step's rows are weighed against the tokens they may bring
-    with ``costs``. A draft model's lengths follow ``DraftLength`` (its drafts cost its forwards, so
+    with ``costs``; where verifies measured slower than plain steps, ``payoff`` stops drafting but for
+    probes. A draft model's lengths follow ``DraftLength`` (its drafts cost its forwards, so
     its acceptance is learnt from verifies alone, with pauses after misses)."""
 
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
@@ -140,6 +142,8 @@ class Drafter:
         self.draft_model = draft_model
         #: What a step's rows cost (prompt lookup's lengths weigh them), and how a plain step runs.
         self.costs, self.plain_kind = costs, plain_kind
+        #: Whether verifies paid, as measured (stops prompt lookup's adaptive drafting where they did not).
+        self.payoff = None if costs is None else Payoff(costs.bucket)
         self._indexes: dict[int, NgramIndex] = {}
         self._lengths: dict[int, DraftLength] = {}
         self._acceptance: dict[int, Acceptance] = {}
@@ -174,9 +178,17 @@ class Drafter:
         if self.config.adaptive:
             rates = [self._acceptance_of(seq).rate for seq in seqs]
             lengths = plan_lengths(rates, caps, self.costs, self.plain_kind, self.max_rows)
+            if any(lengths) and self.payoff is not None and not self.payoff.allows(len(seqs)):
+                lengths = [0] * len(seqs)
         else:
             lengths = self._within_rows(caps)
         return DraftPlan(lengths, lookups)
+
+    def observe_verify(self, sequences: int, tokens: int, seconds: float) -> None:
+        """A verify step of ``sequences`` (no prompt beside it) gave ``tokens`` tokens in ``seconds`` of
+        wall time: measured against a plain step of them (``Payoff``)."""
+        if self.payoff is not None and self.costs.known:
+            self.payoff.observe(sequences, tokens, seconds, self.costs.step(sequences, self.plain_kind))
 
     def _within_rows(self, wanted: list[int]) -> list[int]:
         """``wanted`` draft lengths (one a sequence) cut so that the step's rows (a sequence's own and its

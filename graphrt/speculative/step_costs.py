@@ -43,6 +43,10 @@ class StepCosts:
         """Whether replay times were measured (the decode runs in CUDA graphs)."""
         return bool(self._replay_seconds())
 
+    def bucket(self, rows: int) -> int | None:
+        """The decode graph bucket a step of ``rows`` rows replays (None past the largest)."""
+        return self._bucket_of(rows)
+
     def replay(self, rows: int) -> float | None:
         """The device seconds of a step of ``rows`` rows (None without a graph that holds them)."""
         bucket = self._bucket_of(rows)
