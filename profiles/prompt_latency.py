@@ -19,6 +19,8 @@ Nsight Systems (the NVTX ranges name each step's phases):
 """
 
 import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import sys
@@ -42,7 +44,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cached", action="store_true", help="prefix caching on (off: each prompt computed whole)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step's token budget")
     parser.add_argument("--torch-profile", metavar="FILE", help="record the timed requests with torch.profiler")
+    parser.add_argument("--python-profile", metavar="FILE",
+                        help="record the timed requests' host work with cProfile (pstats file), printing its top rows")
     return parser.parse_args(argv)
+
+
+def host_profile_table(stats: pstats.Stats, requests: int, rows: int = 30) -> str:
+    """The functions that took the most host time, by own time and by time inside, in microseconds a
+    request (cProfile's overhead included: compare rows with each other, not with unprofiled runs)."""
+    entries = [(f"{path.rsplit('/', 1)[-1]}:{line}({name})", calls, own, inside)
+               for (path, line, name), (_, calls, own, inside, _) in stats.stats.items()]
+    lines = []
+    for title, column in (("own time", 2), ("time inside", 3)):
+        lines.append(f"host time by {title}, us a request ({requests} requests):")
+        for where, calls, own, inside in sorted(entries, key=lambda entry: -entry[column])[:rows]:
+            lines.append(f"  {own / requests * 1e6:9.1f} own {inside / requests * 1e6:9.1f} inside "
+                         f"{calls / requests:7.1f} calls  {where}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     add_ms, steps_ms, num_steps = [], [], []
     profiling = args.torch_profile is not None
     trace = torch_trace(args.torch_profile, engine.device) if profiling else None
+    host_profile = cProfile.Profile() if args.python_profile else None
     for index in range(total):
         for _ in range(3):  # the running batch decodes between arrivals (a pipelined step stays in flight)
             engine.step()
         timed = index >= warmup
         if timed and index == warmup and trace is not None:
             trace.__enter__()
+        if timed and host_profile is not None:
+            host_profile.enable()
         with step_annotation(profiling and timed):
             start = time.perf_counter()
             request_id = engine.add_request(prefix + tokens(args.suffix_len), arriving)
@@ -89,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 if any(out.request_id == request_id and out.token_ids for out in engine.step()):
                     break
             done = time.perf_counter()
+        if host_profile is not None:
+            host_profile.disable()
         if timed:
             add_ms.append((added - start) * 1e3)
             steps_ms.append((done - added) * 1e3)
@@ -108,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{median(steps_ms)} ms ({statistics.median(num_steps):g} step calls)")
     if profiling:
         print(summarize_trace(args.torch_profile))
+    if host_profile is not None:
+        host_profile.dump_stats(args.python_profile)
+        print(host_profile_table(pstats.Stats(host_profile), args.requests))
     engine.close()
     return 0
 
