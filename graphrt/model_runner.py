@@ -299,7 +299,7 @@ class ModelRunner:
             return token_ids, logprobs
         sampled_seqs = [seqs[row] for row in done]
         if len(done) < len(seqs):  # each finished prompt's last new token
-            last_token_rows = last_token_rows[torch.tensor(done, device=last_token_rows.device)]
+            last_token_rows = last_token_rows[pinned_to_device(done, torch.int64, last_token_rows.device)]
         logits = self.model.compute_logits(hidden[last_token_rows])  # [B, V] float32
         with nvtx.range("sample"):
             sampling = SamplingTensors.from_params(

@@ -238,11 +238,16 @@ class SamplingTensors:
         """
         batch = len(params)
         temps, top_ks, top_ps, all_greedy, needs_filter = host_rows(params, seeds, steps)
-        # Two host-to-device copies (one per dtype) instead of five.
-        floats = torch.tensor([temps, top_ps], dtype=torch.float32, device=device).reshape(2, batch)
-        ints = torch.tensor(
-            [top_ks, [int(s) for s in seeds], [int(s) for s in steps]], dtype=torch.int64, device=device
-        ).reshape(3, batch)
+        # Two host-to-device copies (one per dtype) instead of five, from pinned memory on CUDA: a copy
+        # from pageable memory waits for the stream, so a prompt step's sampling would wait there for
+        # the forward queued before it, its own launches then exposed after it.
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        floats = torch.tensor([temps, top_ps], dtype=torch.float32, pin_memory=pinned)
+        ints = torch.tensor([top_ks, [int(s) for s in seeds], [int(s) for s in steps]], dtype=torch.int64,
+                            pin_memory=pinned)
+        floats = floats.to(device, non_blocking=True).reshape(2, batch)
+        ints = ints.to(device, non_blocking=True).reshape(3, batch)
         return cls(
             temperature=floats[0],
             top_k=ints[0],
