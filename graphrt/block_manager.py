@@ -187,6 +187,11 @@ class BlockAllocator:
         self._ref_counts[block_id] += 1
         return block_id
 
+    def num_unheld(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` nobody holds (reference count 0)."""
+        counts = self._ref_counts
+        return sum(counts[block_id] == 0 for block_id in block_ids)
+
     def generation(self, block_id: int) -> int:
         """How many times ``block_id``'s cached contents were dropped: part of the keys of the blocks
         that follow it in a prefix."""
@@ -327,14 +332,16 @@ class BlockManager:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         hits: list[int] = []
-        for index in range((len(token_ids) - 1) // self.block_size):
-            tokens = token_ids[index * self.block_size:(index + 1) * self.block_size]
-            block = self.allocator.cached_block(self._key(hits[-1] if hits else None, tokens))
+        size, allocator, parent = self.block_size, self.allocator, None
+        # Inside every prompt's time to first token: one dict lookup a block, keys built as ``_key`` does.
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            block = allocator.cached_block((parent, tuple(token_ids[start:start + size])))
             if block is None:
                 break
             hits.append(block)
+            parent = (block, allocator.generation(block))
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
-        if fresh + sum(self.allocator.ref_count(b) == 0 for b in hits) > self.num_free_blocks:
+        if fresh + allocator.num_unheld(hits) > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {fresh} fresh KV-cache blocks besides {len(hits)} cached ones, only "
                                     f"{self.num_free_blocks} free")
         table = [self.allocator.hold_cached(b) for b in hits]  # before any fresh block can evict them
