@@ -193,9 +193,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                         help="read each decode step's tokens before queueing the next (default on CUDA: the next "
                         "step is queued first, so the host's work overlaps the GPU's)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default: the model's, at most what the KV cache holds)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     parser.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight (also GRAPHRT_NVTX=1)")
     parser.add_argument("--nvtx-layers", action="store_true",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,8 @@ _DTYPES = {
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """Map a dtype name (or ``"auto"``: bfloat16 on CUDA, float32 on CPU) to a torch dtype."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; choose one of auto, {', '.join(_DTYPES)}")
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -46,7 +50,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """``"auto"``/None picks CUDA when present; asking for CUDA without one is an error."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unsupported device {device!r}; graphrt runs on cpu or cuda (or auto)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
     if device.type not in ("cuda", "cpu"):
@@ -62,7 +69,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = "auto"
     max_num_seqs: int = 256
-    #: Longest sequence (prompt + generated); None = the model's max_position_embeddings.
+    #: Longest sequence (prompt + generated); None = the model's max_position_embeddings, lowered to the
+    #: longest sequence the KV cache holds (an explicit value beyond the cache is kept, with a warning).
     max_model_len: int | None = None
     #: Tokens per KV-cache block.
     block_size: int = 16
@@ -178,39 +186,41 @@ class EngineConfig:
     speculative: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("prefill_graph_tokens", "mixed_step_tokens"):
-            if not is_count(getattr(self, name)):
-                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.max_num_batched_tokens is not None and (
-                isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int)
-                or self.max_num_batched_tokens < 1):
-            raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        if not is_count(self.swap_space_bytes):
-            raise ConfigError(f"swap_space_bytes must be an integer >= 0 (0 = recompute), "
-                              f"got {self.swap_space_bytes!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "strict_max_tokens"):
+        if self.model is not None and not (isinstance(self.model, (str, os.PathLike)) and str(self.model)):
+            raise ConfigError(f"model must be a path, a GGUF file or random:PRESET (None: the default model), "
+                              f"got {self.model!r}")
+        for name, least in _COUNTS.items():
+            value = getattr(self, name)
+            if not (is_count(value) and value >= least):
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+            setattr(self, name, int(value))
+        for name, least in _OPTIONAL_COUNTS.items():
+            value = getattr(self, name)
+            if value is not None and not (is_count(value) and value >= least):
+                raise ConfigError(f"{name} must be None or an integer >= {least}, got {value!r}")
+            if value is not None:
+                setattr(self, name, int(value))
+        for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ConfigError(f"num_kv_blocks must be at least 2 (one is the null block), got {self.num_kv_blocks}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
-        if not is_count(self.max_logprobs):
-            raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        self.max_logprobs = int(self.max_logprobs)
+        for name in _OPTIONAL_FLAGS:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        if self.capture_sizes is not None and (
+                isinstance(self.capture_sizes, (str, bytes)) or not isinstance(self.capture_sizes, Iterable)
+                or not all(is_count(size) and size >= 1 for size in self.capture_sizes)):
+            raise ConfigError(f"capture_sizes must be None or a list of integers >= 1, got {self.capture_sizes!r}")
+        if not isinstance(self.loader_options, dict):
+            raise ConfigError(f"loader_options must be a dict, got {type(self.loader_options).__name__}")
         if self.check_graphs is None:
             self.check_graphs = _check_graphs_from_environment()
         elif not is_count(self.check_graphs):
             raise ConfigError(f"check_graphs must be an integer >= 0 (0 = off), got {self.check_graphs!r}")
         self.check_graphs = int(self.check_graphs)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # refuses an unknown name now
-        if not isinstance(self.calibrate_kv_scales, bool):
-            raise ConfigError(f"calibrate_kv_scales must be True or False, got {self.calibrate_kv_scales!r}")
         if self.calibrate_kv_scales and self.kv_cache_dtype != "fp8":
             raise ConfigError("calibrate_kv_scales (--calibrate-kv-scales) needs kv_cache_dtype='fp8' "
                               "(--kv-cache-dtype fp8): a cache in the model dtype has no scales")
@@ -219,6 +229,17 @@ class EngineConfig:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")
 
+
+#: Integer fields and their least value.
+_COUNTS = {"max_num_seqs": 1, "block_size": 1, "prefill_graph_tokens": 0, "mixed_step_tokens": 0,
+           "swap_space_bytes": 0, "max_logprobs": 0, "seed": 0}
+#: Integer fields that may be None (automatic) and their least value.
+_OPTIONAL_COUNTS = {"max_model_len": 2, "max_num_batched_tokens": 1, "max_capture_seq_len": 1,
+                    "num_kv_blocks": 2, "kv_cache_bytes": 1}
+#: True/False fields; those that may also be None (automatic).
+_FLAGS = ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "strict_max_tokens", "nvtx",
+          "nvtx_layers", "calibrate_kv_scales")
+_OPTIONAL_FLAGS = ("fused_kernels", "dependent_launch", "async_decode")
 
 #: ``max_num_batched_tokens`` with chunked prefill when none is given.
 DEFAULT_CHUNKED_BATCHED_TOKENS = 2048

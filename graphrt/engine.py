@@ -23,7 +23,8 @@ from graphrt.capture.prefill_graphs import PrefillGraphRunner, mixed_buckets
 from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
                             resolve_kv_cache_dtype)
 from graphrt.host_memory import return_freed_host_memory
-from graphrt.kv_cache import allocate_kv_caches, bytes_per_block, default_cpu_num_blocks, num_blocks_for_bytes
+from graphrt.kv_cache import (allocate_kv_caches, allocation_named, bytes_per_block, check_fits,
+                              default_cpu_num_blocks, num_blocks_for_bytes)
 from graphrt.loader import load_weights_into, open_checkpoint
 from graphrt.loader.tokenizer import TextStream, Tokenizer
 from graphrt.model_runner import ModelRunner, profile_prefill_peak_memory
@@ -103,10 +104,15 @@ class LLMEngine:
                 self.draft_model_weights = self._build_draft_model(speculative, progress)
 
         num_blocks = self._choose_num_blocks()
+        cache_bytes = num_blocks * bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
+        what, remedy = (f"a KV cache of {num_blocks} blocks",
+                        "lower num_kv_blocks (--num-kv-blocks), kv_cache_bytes or gpu_memory_utilization")
+        check_fits(what, cache_bytes, self.device, str(self.device), remedy)
+        self.max_model_len = self._fit_max_model_len(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
-        kv_caches = allocate_kv_caches(
-            self.model_config, self.attention_backend, num_blocks, config.block_size, self.kv_cache_dtype, self.device
-        )
+        with allocation_named(what, cache_bytes, str(self.device), remedy):
+            kv_caches = allocate_kv_caches(self.model_config, self.attention_backend, num_blocks, config.block_size,
+                                           self.kv_cache_dtype, self.device)
         # A verify step decodes a row per draft token besides each sequence's own (graphrt.speculative.drafting).
         decode_rows = config.max_num_seqs if speculative is None else max(
             config.max_num_seqs, min(config.max_num_seqs * (speculative.num_tokens + 1), MAX_VERIFY_ROWS))
@@ -184,7 +190,10 @@ class LLMEngine:
         if num_blocks < 2:
             raise ConfigError(f"swap_space_bytes {self.config.swap_space_bytes} holds {num_blocks} KV blocks of "
                               f"{per_block} bytes; it needs at least 2 (one is the null block)")
-        return SwapSpace.allocate(kv_caches, num_blocks)
+        what, remedy = f"a swap space of {num_blocks} KV blocks", "lower swap_space_bytes (--swap-space-mib)"
+        check_fits(what, num_blocks * per_block, torch.device("cpu"), "the host", remedy)
+        with allocation_named(what, num_blocks * per_block, "the host", remedy):
+            return SwapSpace.allocate(kv_caches, num_blocks)
 
     def _decode_runner(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_batch_size: int,
                        max_logprobs: int, check_graphs: int = 0) -> DecodeGraphRunner:
@@ -860,6 +869,23 @@ class LLMEngine:
         if wanted > limit:
             raise ConfigError(f"max_model_len {wanted} exceeds the model's max_position_embeddings ({limit})")
         return wanted
+
+    def _fit_max_model_len(self, num_blocks: int) -> int:
+        """``max_model_len``, lowered to the longest sequence ``num_blocks`` KV blocks hold when the config
+        left it to the model (its max_position_embeddings can be far beyond the cache), so that requests
+        (and a server's default max_tokens) are sized to what can run; an explicit value larger than the
+        cache is kept, with a warning."""
+        holds = (num_blocks - 1) * self.config.block_size + 1  # the last token is sampled, never cached
+        if self.max_model_len <= holds:
+            return self.max_model_len
+        if self.config.max_model_len is not None:
+            logger.warning("max_model_len %d is longer than the KV cache holds (%d blocks of %d tokens: %d tokens "
+                           "a sequence at most): longer requests are refused", self.max_model_len, num_blocks - 1,
+                           self.config.block_size, holds)
+            return self.max_model_len
+        logger.info("max_model_len lowered from %d to %d, the longest sequence the KV cache's %d blocks hold",
+                    self.max_model_len, holds, num_blocks - 1)
+        return holds
 
     def _choose_num_blocks(self) -> int:
         cfg = self.config

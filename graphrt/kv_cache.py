@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
 from graphrt.attention import AttentionBackend
@@ -35,6 +39,37 @@ def default_cpu_num_blocks(
     wanted = max_num_seqs * -(-max_model_len // block_size) + 1
     cap = DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block(config, block_size, dtype)
     return int(max(2, min(wanted, cap)))
+
+
+def memory_bytes(device: torch.device) -> int:
+    """All the memory of ``device``: the GPU's, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(what: str, num_bytes: int, device: torch.device, where: str, remedy: str) -> None:
+    """Refuse, before anything is built for it, ``num_bytes`` of ``what`` that ``device``'s memory could
+    never hold (the allocation, and the bookkeeping sized with it, would fail or exhaust the host)."""
+    total = memory_bytes(device)
+    if num_bytes > total:
+        raise ConfigError(f"{what} takes {num_bytes / 2**30:.2f} GiB, more than {where} has "
+                          f"({total / 2**30:.2f} GiB); {remedy}")
+
+
+@contextlib.contextmanager
+def allocation_named(what: str, num_bytes: int, where: str, remedy: str) -> Iterator[None]:
+    """Turns a failed allocation of ``num_bytes`` for ``what`` (out of device memory, or a host
+    allocator's refusal) into a ConfigError that names it, its size, ``where`` and the option that
+    sets it (``remedy``), instead of the allocator's traceback."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{what} of {num_bytes / 2**30:.2f} GiB could not be allocated on {where} ({reason}); "
+                          f"{remedy}") from None
 
 
 def allocate_kv_caches(

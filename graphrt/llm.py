@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import difflib
 import numbers
+from collections.abc import Iterable as IterableABC
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
-from graphrt.base.errors import GraphrtError, InvalidRequestError
+from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
 from graphrt.loader.tokenizer import Tokenizer
@@ -50,6 +53,7 @@ class LLM:
         progress: bool = True,
         **engine_options,
     ) -> None:
+        _check_option_names(engine_options)
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             block_size=block_size, enforce_eager=enforce_eager, **engine_options,
@@ -222,17 +226,35 @@ def _check_conversation(conversation: Conversation, index: int) -> None:
             raise InvalidRequestError(f"{where}: content must be a string, got {type(message['content']).__name__}")
 
 
+def _check_option_names(options: dict) -> None:
+    """Refuse a keyword that is no ``EngineConfig`` field, naming the closest one (other engines'
+    spellings: ``swap_space`` for ``swap_space_bytes``)."""
+    known = [item.name for item in dataclasses.fields(EngineConfig)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; the options are EngineConfig's fields"
+            raise ConfigError(f"LLM got an unknown option {name!r}{hint}")
+
+
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids (any integer type: NumPy's too)
+    if not isinstance(prompts, IterableABC) or isinstance(prompts, (bytes, dict)):
+        raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, "
+                                  f"got {type(prompts).__name__}")
     return list(prompts)
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
+    if not isinstance(params, IterableABC) or isinstance(params, (str, bytes, dict)):
+        raise InvalidRequestError(f"sampling params must be a SamplingParams or a list of them, got "
+                                  f"{type(params).__name__}" + (" (build one: SamplingParams(**options))"
+                                                                if isinstance(params, dict) else ""))
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError(f"{len(params)} sampling params given for {count} prompts")

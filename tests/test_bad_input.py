@@ -81,6 +81,72 @@ def test_request_larger_than_the_cache_is_rejected():
         small.engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=10))
 
 
+def test_a_cache_shorter_than_the_models_context_lowers_the_default_max_model_len():
+    # random:tiny's positions reach 2048; a cache of 3 usable blocks holds 3 * 16 + 1 tokens a sequence (the
+    # last is sampled, never cached), so a server's default max_tokens (the room left) can run.
+    small = LLM(model="random:tiny", dtype="float32", device="cpu", progress=False, num_kv_blocks=4)
+    assert small.engine.max_model_len == 49
+    [out] = small.generate([list(range(1, 9))], SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
+    assert len(out.token_ids) == 41
+
+
+def test_an_explicit_max_model_len_beyond_the_cache_is_kept_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="graphrt.engine"):
+        small = LLM(**{**TINY, "max_model_len": 100}, num_kv_blocks=4)
+    assert small.engine.max_model_len == 100
+    assert "max_model_len 100 is longer than the KV cache holds" in caplog.text
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(block_size="16"), "block_size must be an integer >= 1, got '16'"),
+    (dict(max_num_seqs=None), "max_num_seqs must be an integer >= 1, got None"),
+    (dict(max_num_seqs=1.5), "max_num_seqs must be an integer >= 1, got 1.5"),
+    (dict(max_model_len=3.5), "max_model_len must be None or an integer >= 2, got 3.5"),
+    (dict(num_kv_blocks=3.0), "num_kv_blocks must be None or an integer >= 2, got 3.0"),
+    (dict(kv_cache_bytes=-1), "kv_cache_bytes must be None or an integer >= 1, got -1"),
+    (dict(max_capture_seq_len=-5), "max_capture_seq_len must be None or an integer >= 1"),
+    (dict(seed=-1), "seed must be an integer >= 0, got -1"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number in (0, 1], got '0.5'"),
+    (dict(capture_sizes=[0]), "capture_sizes must be None or a list of integers >= 1, got [0]"),
+    (dict(enforce_eager="x"), "enforce_eager must be True or False, got 'x'"),
+    (dict(async_decode="x"), "async_decode must be True, False or None (automatic), got 'x'"),
+    (dict(fused_kernels="no"), "fused_kernels must be True, False or None (automatic), got 'no'"),
+    (dict(loader_options=[1]), "loader_options must be a dict, got list"),
+    (dict(device="tpu"), "unsupported device 'tpu'"),
+    (dict(dtype=torch.int32), "unsupported dtype torch.int32"),
+    (dict(model=123), "model must be a path, a GGUF file or random:PRESET"),
+    (dict(model=""), "model must be a path, a GGUF file or random:PRESET"),
+    (dict(swap_space=4), "unknown option 'swap_space'; did you mean 'swap_space_bytes'?"),
+])
+def test_engine_options_of_the_wrong_kind_are_refused_by_name(options, message):
+    with pytest.raises(ConfigError) as refused:
+        LLM(**{**TINY, **options})
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--swap-space-mib", "100000000"], "a swap space of"),
+    (["--num-kv-blocks", "1000000000"], "a KV cache of 1000000000 blocks takes"),
+])
+def test_a_cache_larger_than_memory_is_refused_naming_the_option(argv, message, capsys):
+    # Refused before the block tables or the tensors are built (a billion blocks' bookkeeping alone would
+    # exhaust the host): the error names the size, the memory and the option to lower.
+    assert main(["generate", "--model", "random:tiny", "--prompt-ids", "1,2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "more than" in err and argv[0] in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (([[1]], {"max_tokens": 2}), "got dict (build one: SamplingParams(**options))"),
+    ((None,), "prompts must be a string, a list of token ids or a list of prompts, got NoneType"),
+])
+def test_generate_refuses_arguments_of_the_wrong_kind(llm, args, message):
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.generate(*args)
+    assert message in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("max_tokens", 0), ("temperature", -1.0), ("temperature", float("inf")), ("temperature", float("nan")),
@@ -346,3 +412,15 @@ def test_cli_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"graphrt {graphrt.__version__}"
+
+
+def test_a_refused_allocation_is_named_and_other_errors_pass_through():
+    from graphrt.kv_cache import allocation_named
+
+    with pytest.raises(ConfigError, match=r"a KV cache of 9 blocks of 1.00 GiB could not be allocated on cpu "
+                                          r"\(DefaultCPUAllocator: can't allocate memory\); lower it"):
+        with allocation_named("a KV cache of 9 blocks", 2**30, "cpu", "lower it"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore detail")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with allocation_named("a KV cache", 1, "cpu", "lower it"):
+            raise RuntimeError("shape mismatch")
