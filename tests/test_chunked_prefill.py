@@ -118,7 +118,7 @@ def test_prompt_logprobs_of_a_chunk_join_into_the_whole_prompts():
 
 def test_bad_values_are_refused_and_the_cli_takes_the_options():
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ConfigError, match="max_num_batched_tokens must be an integer >= 1"):
+        with pytest.raises(ConfigError, match="max_num_batched_tokens must be None or an integer >= 1"):
             EngineConfig(max_num_batched_tokens=bad)
     with pytest.raises(ConfigError, match="enable_chunked_prefill must be True or False"):
         EngineConfig(enable_chunked_prefill="yes")
