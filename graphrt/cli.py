@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="every request's temperature (default 0: greedy), each with a seed of its own")
     serving.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
     serving.add_argument("--seed", type=int, default=0, help="seeds the arrivals, lengths, prompts and sampling")
-    serving.add_argument("--max-num-seqs", type=positive_int, default=256, help="most sequences in one step (default 256)")
+    serving.add_argument("--max-num-seqs", type=positive_int, default=256,
+                         help="most sequences in one step (default 256)")
     serving.add_argument("--max-model-len", type=positive_int, default=None,
                          help="longest sequence (default: the load's longest)")
     serving.add_argument("--speculative", default=None, metavar="ngram:K|draft:MODEL:K",

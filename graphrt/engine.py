@@ -108,6 +108,8 @@ class LLMEngine:
         what, remedy = (f"a KV cache of {num_blocks} blocks",
                         "lower num_kv_blocks (--num-kv-blocks), kv_cache_bytes or gpu_memory_utilization")
         check_fits(what, cache_bytes, self.device, str(self.device), remedy)
+        #: The longest sequence the KV cache holds (its usable blocks, the last token never cached).
+        self.sequence_capacity = (num_blocks - 1) * config.block_size + 1
         self.max_model_len = self._fit_max_model_len(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
         with allocation_named(what, cache_bytes, str(self.device), remedy):
@@ -875,7 +877,7 @@ class LLMEngine:
         left it to the model (its max_position_embeddings can be far beyond the cache), so that requests
         (and a server's default max_tokens) are sized to what can run; an explicit value larger than the
         cache is kept, with a warning."""
-        holds = (num_blocks - 1) * self.config.block_size + 1  # the last token is sampled, never cached
+        holds = self.sequence_capacity
         if self.max_model_len <= holds:
             return self.max_model_len
         if self.config.max_model_len is not None:

@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 
 from graphrt.serve.http import SendDeadline  # noqa: E402  (needs uvicorn, like the imports skipped above)
 from graphrt.serve.limits import AdmissionGate, ServerLimits  # noqa: E402
+from graphrt.serve.openai_api import OpenAIHandlers  # noqa: E402
 from graphrt.serve.server import Server  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -643,3 +644,18 @@ def test_the_server_overhead_benchmark_measures_both_paths(tmp_path):
     refused = subprocess.run([sys.executable, str(script), "--max-tokens", "1"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "--max-tokens" in refused.stderr
+
+
+def test_an_unasked_max_tokens_is_what_the_cache_holds_when_max_model_len_exceeds_it():
+    # max_model_len 512 set explicitly over a cache of 3 usable blocks (49 tokens a sequence): a request
+    # without max_tokens gets the room the cache leaves, not the context's, which the engine would refuse.
+    llm = LLM(dtype="float32", device="cpu", progress=False, max_model_len=512, num_kv_blocks=4)
+    try:
+        handlers = OpenAIHandlers(llm, loop=None, limits=ServerLimits(), model_name="m")
+        assert handlers._resolve_max_tokens(None, None, 8, "prompt") == 41
+        assert handlers._resolve_max_tokens(None, 16, 8, "prompt") == 16
+        params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+        [out] = llm.generate([list(range(1, 9))], params)
+        assert len(out.token_ids) == 41
+    finally:
+        llm.close()

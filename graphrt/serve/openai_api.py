@@ -49,6 +49,8 @@ class OpenAIHandlers:
         self.vocab_size = llm.engine.model_config.vocab_size
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
         self.max_tokens = min(limits.max_tokens or self.max_model_len, self.max_model_len)
+        #: The longest sequence a request may grow to unasked: an explicit max_model_len may exceed the cache.
+        self.default_sequence_len = min(self.max_model_len, llm.engine.sequence_capacity)
         self.created = int(time.time())
         self.gate = AdmissionGate(limits.max_concurrent, limits.max_queued)
         self._token_data: dict[int, bytes] = {}
@@ -67,7 +69,7 @@ class OpenAIHandlers:
                               f"{self.max_prompt_tokens}", param=prompt_field)
         room = self.max_model_len - prompt_tokens
         if asked is None:
-            return min(default or self.max_tokens, self.max_tokens, room)
+            return max(1, min(default or self.max_tokens, self.max_tokens, self.default_sequence_len - prompt_tokens))
         if asked > self.max_tokens:
             raise bad_request(f"{asked_field}={asked} is above this server's limit of {self.max_tokens}",
                               param=asked_field)
