@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="prefix caching, as for generate (default on)")
     serving.add_argument("--swap-space-mib", type=non_negative_int, default=0, metavar="MIB",
                          help="swap preemption, as for generate")
+    serving.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
+                         help="KV-cache blocks, as for generate (a small cache makes the load preempt)")
     serving.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                          help="most tokens a step runs, as for generate")
     serving.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",

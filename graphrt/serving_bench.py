@@ -15,8 +15,9 @@ latency (ITL: the gaps between successive steps that returned tokens to a reques
 returning several counts once), time per output token per request (TPOT: first to last token over the
 tokens after the first), p50 and p99 of each, output tokens and requests a second over the run, and the
 prefix-cache hit rate (prompt tokens found in the cache over those looked up in the run; None without
-``--enable-prefix-caching``), and the sequences running after each step (mean, largest: the decode
-batch the load kept up). A short warm-up runs first and is not counted.
+``--enable-prefix-caching``), the sequences running after each step (mean, largest: the decode
+batch the load kept up) and the preemptions the load caused. A short warm-up runs first and is not
+counted.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class RequestTiming:
     arrival_s: float
     delivery_s: list[float]  # when each step that returned tokens to it returned
     tokens: int = 0
+    preemptions: int = 0  # times the engine preempted it (recomputed or swapped out)
 
     @property
     def ttft_s(self) -> float:
@@ -167,6 +169,7 @@ def run_load(engine, requests: list[LoadRequest], clock=time.perf_counter, sleep
             if len(out.token_ids) > timing.tokens:
                 timing.delivery_s.append(returned)
                 timing.tokens = len(out.token_ids)
+            timing.preemptions = out.num_preemptions
     return timings, clock() - start
 
 
@@ -196,6 +199,7 @@ def summarize(timings: list[RequestTiming], duration_s: float, prefix_hit_rate: 
         "itl": _percentiles([gap for t in timings for gap in t.itl_s]),
         "tpot": _percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
         "prefix_hit_rate": None if prefix_hit_rate is None else round(prefix_hit_rate, 4),
+        "preemptions": sum(t.preemptions for t in timings),
         "running_mean": round(statistics.fmean(running), 2) if running else None,
         "running_max": max(running) if running else None,
     }
@@ -212,7 +216,8 @@ def format_summary(summary: dict) -> str:
         f"ITL   {ms(summary['itl'])}",
         f"TPOT  {ms(summary['tpot'])}",
         f"prefix cache hit rate: {summary['prefix_hit_rate'] if summary['prefix_hit_rate'] is not None else '-'}",
-        f"sequences running after a step: mean {summary['running_mean']}, largest {summary['running_max']}",
+        f"sequences running after a step: mean {summary['running_mean']}, largest {summary['running_max']}; "
+        f"preemptions {summary['preemptions']}",
     ])
 
 
@@ -257,7 +262,7 @@ def main(args) -> int:
         options["speculative"] = args.speculative
     options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
                    max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20,
-                   mixed_step_tokens=args.mixed_step_tokens)
+                   mixed_step_tokens=args.mixed_step_tokens, num_kv_blocks=args.num_kv_blocks)
     try:
         llm = LLM(args.model, **options)
     except ConfigError as exc:
@@ -290,6 +295,7 @@ def main(args) -> int:
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
                        "enable_chunked_prefill": args.enable_chunked_prefill,
                        "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
+                       "num_kv_blocks": engine.block_manager.allocator.num_blocks,
                        "max_num_batched_tokens": engine.max_num_batched_tokens,
                        "mixed_step_tokens": args.mixed_step_tokens, "prompt_graphs": prompt_graphs,
                        "decode_graphs": decode_graphs,

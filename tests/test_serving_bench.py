@@ -79,6 +79,18 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_small_cache_makes_the_load_preempt_and_every_request_still_finishes(tmp_path, capsys):
+    # 6 blocks of 16 tokens (5 usable) for requests of up to 28 tokens each, all at once: some are preempted
+    # (swapped out, 1 MiB of swap space) and every one still ends with its length.
+    out_json = tmp_path / "small.json"
+    assert main(["bench-serving", "--model", "random:tiny", "--device", "cpu", "--rate", "inf", "--num-requests", "6",
+                 "--prompt-len", "12:2", "--output-len", "12:2", "--num-kv-blocks", "6", "--swap-space-mib", "1",
+                 "--no-enable-prefix-caching", "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert result["num_kv_blocks"] == 6 and result["preemptions"] > 0 and result["requests"] == 6
+    assert f"preemptions {result['preemptions']}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--rate", "0"], "argument --rate: expected a number > 0, got '0'"),
     (["--prompt-len", "5:9"], "mean - spread >= 1, got 5:9"),
