@@ -243,6 +243,23 @@ def test_scenario_runs_on_cpu_and_writes_a_torch_trace(name, tmp_path, capsys):
         assert f"trace {trace}: {len(steps)} steps" in printed
 
 
+def test_prompt_latency_tables_the_timed_requests_host_work(tmp_path, capsys):
+    import pstats
+
+    module = _load_scenario("prompt_latency")
+    stats_file = tmp_path / "host.prof"
+    argv = ["--model", "random:tiny", "--device", "cpu", *SCENARIOS["prompt_latency"], "--python-profile",
+            str(stats_file)]
+    assert module.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "host time by own time, us a request (3 requests):" in printed
+    assert "host time by time inside, us a request (3 requests):" in printed
+    # Only the timed requests were recorded: add_request once a request, its first step among them.
+    calls = {name: row[1] for (_, _, name), row in pstats.Stats(str(stats_file)).stats.items()}
+    assert calls["add_request"] == 3 and calls["step"] >= 3
+    assert "engine.py" in printed and "add_request" in printed
+
+
 def test_mixed_scenario_emits_mixed_steps_under_an_nvtx_tool(tmp_path):
     try:
         tool = nvtx_injection.build(tmp_path)
