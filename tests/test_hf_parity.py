@@ -54,3 +54,43 @@ def test_fused_kernels_match_hf(checkpoint):
     reference = hf_step_logits(hf_model, prompt, tokens)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     assert_greedy_matches(hf_model, prompt, tokens)
+
+
+@pytest.mark.parametrize(("name", "edits"), [
+    ("qwen2-bias-mqa", dict(use_sliding_window=True, sliding_window=7, max_window_layers=2)),  # no layer windowed
+    ("qwen2-bias-mqa", dict(use_sliding_window=True, sliding_window=7, max_window_layers=0)),  # every layer
+    ("qwen2-bias-mqa", dict(use_sliding_window=True, sliding_window=7, layer_types=["sliding_attention"] * 2)),
+    ("llama3-rope-scaling", dict(sliding_window=7)),  # Llama ignores the key
+], ids=["qwen2-window-from-layer-2", "qwen2-window-from-layer-0", "qwen2-layer-types", "llama-window-key"])
+def test_sliding_windows_are_read_as_transformers_reads_them(name, edits, tmp_path):
+    """A window key means what transformers makes of it in each family's config: Qwen2's applies from
+    ``max_window_layers`` on (or where ``layer_types`` says), Llama's not at all (the prompt, 33 tokens, is
+    longer than the window)."""
+    import transformers
+
+    write_random_checkpoint(name, tmp_path)
+    _edit_config(tmp_path, edits)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
+    prompt = random_prompts(seed=11)[3]
+    tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    torch.testing.assert_close(ours, hf_step_logits(hf_model, prompt, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_a_qwen2_config_mixing_full_and_windowed_layers_is_refused(tmp_path):
+    from graphrt import ModelLoadError
+
+    write_random_checkpoint("qwen2-bias-mqa", tmp_path)
+    _edit_config(tmp_path, dict(use_sliding_window=True, sliding_window=7, max_window_layers=1))
+    with pytest.raises(ModelLoadError, match=r"layers \[1\] attend in a sliding window of 7 and the others fully"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
+
+
+def _edit_config(path, edits: dict) -> None:
+    """Rewrite ``path``/config.json with ``edits``; the ``layer_types`` transformers saved from the
+    original window settings go unless ``edits`` gives them (it derives them again from the edits)."""
+    import json
+
+    config_file = path / "config.json"
+    config = {key: value for key, value in json.loads(config_file.read_text()).items() if key != "layer_types"}
+    config_file.write_text(json.dumps({**config, **edits}))

@@ -127,9 +127,7 @@ class ModelConfig:
             raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r}; graphrt implements 'silu'")
         if _bool_field(config, "mlp_bias", False):
             raise ConfigError("MLP biases (mlp_bias: true) are not supported")
-        # Qwen2 configs carry a window that applies only with use_sliding_window.
-        windowed = arch != "Qwen2ForCausalLM" or _bool_field(config, "use_sliding_window", False)
-        sliding_window = (_int_field(config, "sliding_window", default=0) or None) if windowed else None
+        sliding_window = _sliding_window(config, arch, layers)
         eos_ids = token_ids_field(config, "eos_token_id")
         bos = config.get("bos_token_id")
         if bos is not None and not _is_index(bos):
@@ -156,6 +154,35 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _sliding_window(config: dict[str, Any], arch: str, layers: int) -> int | None:
+    """The window every layer attends in, as transformers reads each family's config: Llama has none (a
+    ``sliding_window`` key there is ignored); Mistral's applies to every layer; Qwen2's only with
+    ``use_sliding_window``, and then to the layers ``layer_types`` names "sliding_attention" (without it:
+    those from ``max_window_layers`` on, default 28). One window for all layers or none: a config that
+    mixes full and windowed layers is refused."""
+    if arch == "LlamaForCausalLM":
+        return None
+    window = _int_field(config, "sliding_window", default=0) or None
+    if arch != "Qwen2ForCausalLM":
+        return window
+    if not _bool_field(config, "use_sliding_window", False) or window is None:
+        return None
+    types = config.get("layer_types")
+    if types is None:
+        first = _int_field(config, "max_window_layers", default=28)
+        types = ["sliding_attention" if index >= first else "full_attention" for index in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {"full_attention",
+                                                                                  "sliding_attention"}:
+        raise ConfigError(f"layer_types must list 'full_attention' or 'sliding_attention' for each of the {layers} "
+                          f"layers, got {types!r}")
+    if len(set(types)) > 1:
+        windowed = [index for index, kind in enumerate(types) if kind == "sliding_attention"]
+        raise ConfigError(f"layers {windowed} attend in a sliding window of {window} and the others fully; graphrt "
+                          "runs one window for all layers or none (use_sliding_window, max_window_layers, "
+                          "layer_types)")
+    return window if types[0] == "sliding_attention" else None
 
 
 def _is_index(value: Any) -> bool:
