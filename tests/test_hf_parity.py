@@ -86,6 +86,36 @@ def test_a_qwen2_config_mixing_full_and_windowed_layers_is_refused(tmp_path):
         LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
 
 
+def test_a_tied_config_over_a_checkpoint_with_its_own_head_uses_that_head_as_transformers_does(tmp_path, caplog):
+    """transformers keeps a stored lm_head.weight that differs from the embedding, untied, whatever
+    tie_word_embeddings says (with a warning); graphrt gives its logits and says so too."""
+    import transformers
+
+    write_random_checkpoint("llama3-rope-scaling", tmp_path)  # untied, its head its own
+    _edit_config(tmp_path, dict(tie_word_embeddings=True))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    with caplog.at_level("WARNING", logger="graphrt.models.llama"):
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
+    assert "the stored head is used, untied" in caplog.text
+    assert llm.engine.model.lm_head is not None
+    prompt = random_prompts(seed=11)[3]
+    tokens, ours = graphrt_greedy_with_logits(llm, prompt, max_tokens=6)
+    torch.testing.assert_close(ours, hf_step_logits(hf_model, prompt, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_a_tied_checkpoint_storing_its_embedding_as_the_head_stays_tied(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    write_random_checkpoint("qwen2-bias-mqa", tmp_path)  # tied
+    [weights_file] = tmp_path.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="graphrt.models.llama"):
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
+    assert llm.engine.model.lm_head is None and "untied" not in caplog.text
+
+
 def _edit_config(path, edits: dict) -> None:
     """Rewrite ``path``/config.json with ``edits``; the ``layer_types`` transformers saved from the
     original window settings go unless ``edits`` gives them (it derives them again from the edits)."""

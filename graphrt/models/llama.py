@@ -404,6 +404,7 @@ class LlamaForCausalLM(nn.Module):
         # complete and is installed then (a 16-bit weight at once), holding no more than it must.
         fp8_parts: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = {}
         installed: set[tuple[str, int | None]] = set()
+        stored_head = None  # a tied model's checkpoint that holds an LM head all the same
 
         def install(key: str, shard: int | None, parts: dict) -> None:
             if key in fp8_layers:
@@ -416,6 +417,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.setdefault(key if key in params else key + ".weight", set()).add(shard)
             installed.add((key, shard))
         for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                stored_head = tensor
+                continue
             target, shard = self._target_of(name)
             if target is None:
                 continue
@@ -464,6 +468,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+        if stored_head is not None:
+            self._untie_if_different(stored_head)
+
+    def _untie_if_different(self, head: torch.Tensor) -> None:
+        """A config that ties the LM head to the embedding, over a checkpoint whose ``lm_head.weight``
+        differs from it: the stored head is used, untied, as transformers does (with its warning)."""
+        embedding = self.embed_tokens.weight
+        if head.dtype == FP8_DTYPE:  # FP8 codes say nothing without their scale: the tie stands
+            return
+        self._check_shape("lm_head.weight", head, embedding.shape)
+        if not head.is_floating_point():
+            raise ModelLoadError(f"checkpoint tensor 'lm_head.weight' is {head.dtype}, not a floating-point weight")
+        head = head.to(device=embedding.device, dtype=embedding.dtype)
+        if torch.equal(head, embedding):
+            return
+        logger.warning("config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint "
+                       "holds an lm_head.weight that differs from it: the stored head is used, untied")
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                                 dtype=embedding.dtype, device=embedding.device)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head)
+        self.config.tie_word_embeddings = False
 
     @staticmethod
     def _check_shape(name: str, tensor: torch.Tensor, shape) -> None:
@@ -546,8 +572,6 @@ class LlamaForCausalLM(nn.Module):
         """Map an HF tensor name to (our parameter name, shard index or None); (None, None) = skip."""
         if name.endswith("rotary_emb.inv_freq"):
             return None, None  # older checkpoints store the rotary table; we compute our own
-        if name == "lm_head.weight" and self.lm_head is None:
-            return None, None  # tied: the embedding table is the head
         if name.startswith("model."):
             name = name[len("model."):]
         for suffix, (fused, shard) in self._FUSED_SHARDS.items():
