@@ -260,8 +260,12 @@ def test_unsupported_head_size(tmp_path):
     (dict(rope_scaling={"rope_type": "llama3"}), "rope_scaling \\(llama3\\) lacks 'factor'"),
     (dict(rope_scaling=[1, 2]), "rope_scaling must be a JSON object"),
     (dict(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 0, "low_freq_factor": 1, "high_freq_factor": 4,
+                        "original_max_position_embeddings": 32}), "factor must be a finite number > 0, got 0"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4,
+                        "original_max_position_embeddings": 32}), "high_freq_factor must exceed low_freq_factor"),
 ], ids=["string_size", "zero_heads", "zero_layers", "negative_size", "string_bool", "string_eos",
-        "rope_without_factor", "rope_list", "zero_eps"])
+        "rope_without_factor", "rope_list", "zero_eps", "rope_zero_factor", "rope_equal_bands"])
 def test_malformed_config_is_refused_by_name(tmp_path, overrides, message):
     """A config.json field of the wrong type or out of range is named, not met later as a division by
     zero or a silently wrong model (a "false" string read as true)."""

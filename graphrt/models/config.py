@@ -4,6 +4,7 @@ GGUF file's metadata, and the checks on those fields."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,21 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        # Every rotary frequency is divided by ``factor``, and the blend between the two bands by
+        # ``high_freq_factor - low_freq_factor``: a zero there makes every logit NaN.
+        where = "rope_scaling (llama3)"
+        for name in ("factor", "low_freq_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.high_freq_factor) and self.high_freq_factor > self.low_freq_factor):
+            raise ConfigError(f"{where}: high_freq_factor must exceed low_freq_factor ({self.low_freq_factor}), "
+                              f"got {self.high_freq_factor!r}")
+        if self.original_max_position_embeddings < 1:
+            raise ConfigError(f"{where}: original_max_position_embeddings must be >= 1, "
+                              f"got {self.original_max_position_embeddings}")
 
 
 @dataclass
