@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphrt.base.errors import ConfigError
-from graphrt.config import resolve_dtype
+from graphrt.base.files import replaced_when_done
+from graphrt.config import resolve_device, resolve_dtype
 from graphrt.engine import LLMEngine
 from graphrt.sampling.params import SamplingParams
 from graphrt.workload import decode_engine, fill_decode_batch, synchronize
@@ -241,8 +242,8 @@ def run_bench(model: str, device: str, dtype: str, batch_sizes, contexts, steps:
                           f"each >= 1; got steps={steps}, batch sizes {list(batch_sizes)}, contexts "
                           f"{list(contexts)}, query tokens {list(query_tokens)}")
     params = params or SamplingParams(temperature=0.0)
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    dev = torch.device("cuda" if use_cuda else "cpu")
+    dev = resolve_device(device)  # refuses a CUDA device torch does not see, before anything runs
+    use_cuda = dev.type == "cuda"
     bandwidth = measure_read_bandwidth(dev) if use_cuda else None
     storage = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     rows, engine_facts = [], {}
@@ -318,10 +319,12 @@ def write_plot(result: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replaced_when_done(path) as partial:
+        fig.savefig(partial, dpi=120)
 
 
 def main(args) -> int:
+    resolve_device(args.device)  # a device torch does not see is refused before the table starts
     storage = [f"{args.quantization} weights"] if args.quantization else []
     storage += [f"{args.kv_cache_dtype} KV cache"] if args.kv_cache_dtype != "auto" else []
     if storage:
@@ -333,7 +336,7 @@ def main(args) -> int:
                        compare_unfused=args.compare_unfused, params=params, quantization=args.quantization,
                        kv_cache_dtype=args.kv_cache_dtype, query_tokens=args.query_tokens)
     if args.json:
-        with open(args.json, "w") as f:
+        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
         write_plot(result, args.plot)

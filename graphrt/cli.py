@@ -16,7 +16,7 @@ from graphrt.base.errors import GraphrtError
 from graphrt.cli_args import (
     add_engine_arguments, add_model_arguments, add_sampling_arguments, comma_separated_ints,
     comma_separated_positive_ints, engine_options, fraction_and_length, kernel_options, length_range,
-    non_negative_int, output_file, port_number, positive_float, positive_int, positive_seconds, stop_text,
+    non_negative_int, output_file, plot_file, port_number, positive_float, positive_int, positive_seconds, stop_text,
 )
 from graphrt.info import collect_info, format_info
 
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare-unfused", action="store_true",
                        help="also time the graphs built with the unfused reference kernels (CUDA only)")
     bench.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
-    bench.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of ms/step against batch size")
+    bench.add_argument("--plot", type=plot_file, metavar="FILE", help="write a PNG of ms/step against batch size")
 
     serving = commands.add_parser(
         "bench-serving", parents=[common],
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",
                          help="mixed steps, as for generate (default 512; 0: off)")
     serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
-    serving.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
+    serving.add_argument("--plot", type=plot_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
 
     prof = commands.add_parser(
         "profile", parents=[common],

@@ -123,6 +123,20 @@ def output_file(text: str) -> str:
     return text
 
 
+def plot_file(text: str) -> str:
+    """argparse type for a plot a command writes when it ends: an ``output_file`` in a format matplotlib
+    writes (the extension; none: PNG), checked now rather than after the run."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    text = output_file(text)
+    extension = Path(text).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: matplotlib writes no {extension!r} files "
+                                         f"({', '.join(sorted(formats))})")
+    return text
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
     """``--model``, ``--dtype``, ``--device``, ``--quantization``, ``--kv-cache-dtype``, ``--unfused``
     and ``--plain-launch``, as every command and profiling scenario takes them. ``--unfused`` sets

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from graphrt.base.errors import ConfigError
+from graphrt.base.files import replaced_when_done
 from graphrt.sampling.params import SamplingParams
 
 
@@ -241,7 +242,8 @@ def write_plot(timings: list[RequestTiming], path: str, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replaced_when_done(path) as partial:
+        fig.savefig(partial, dpi=120)
 
 
 def main(args) -> int:
@@ -289,7 +291,7 @@ def main(args) -> int:
     summary = summarize(timings, duration, hit_rate, running)
     print(format_summary(summary))
     if args.json:
-        with open(args.json, "w") as f:
+        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
             load = asdict(spec) | ({"rate": "inf"} if math.isinf(spec.rate) else {})  # JSON has no infinity
             json.dump({"model": args.model, "device": str(device), "load": load,
                        "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
