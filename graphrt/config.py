@@ -215,6 +215,9 @@ class EngineConfig:
             raise ConfigError(f"capture_sizes must be None or a list of integers >= 1, got {self.capture_sizes!r}")
         if not isinstance(self.loader_options, dict):
             raise ConfigError(f"loader_options must be a dict, got {type(self.loader_options).__name__}")
+        unknown = sorted(set(self.loader_options) - {"init_std", "seed"}, key=str)
+        if unknown:
+            raise ConfigError(f"unknown loader_options {unknown}: random presets take init_std and seed")
         if self.check_graphs is None:
             self.check_graphs = _check_graphs_from_environment()
         elif not is_count(self.check_graphs):

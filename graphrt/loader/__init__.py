@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Union
 
 import torch
 from tqdm.auto import tqdm
 
-from graphrt.base.errors import ModelLoadError
+from graphrt.base.checks import is_count
+from graphrt.base.errors import ConfigError, ModelLoadError
 from graphrt.loader.gguf_file import GGUFCheckpoint, default_model_path, read_gguf
 from graphrt.loader.hf_dir import HFCheckpoint, read_hf_dir
 from graphrt.loader.random_presets import PREFIX as RANDOM_PREFIX
@@ -21,9 +23,18 @@ Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, RandomCheckpoint]
 def open_checkpoint(spec: str | None, init_std: float = 0.02, seed: int = 0) -> Checkpoint:
     """Resolve a ``--model`` value: None (the default SmolLM2 GGUF), ``random:NAME``, a ``.gguf`` file
     or an HF directory. Only metadata is read here; weights stream in ``load_weights_into``."""
+    random_preset = spec is not None and spec.startswith(RANDOM_PREFIX)
+    if not random_preset and (init_std, seed) != (0.02, 0):
+        raise ConfigError(f"loader_options init_std and seed draw random presets' weights; model {spec!r} has "
+                          "stored weights")
     if spec is None:
         return read_gguf(default_model_path())
-    if spec.startswith(RANDOM_PREFIX):
+    if random_preset:
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not (
+                math.isfinite(init_std) and init_std >= 0):
+            raise ConfigError(f"loader_options init_std must be a finite number >= 0, got {init_std!r}")
+        if not is_count(seed):
+            raise ConfigError(f"loader_options seed must be an integer >= 0, got {seed!r}")
         return read_random_preset(spec, init_std=init_std, seed=seed)
     path = Path(spec).expanduser()
     if not path.exists():
