@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from graphrt.base.errors import ConfigError
 from graphrt.capture import DecodeBatch
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
@@ -40,7 +41,13 @@ def decode_engine(
         block_size=BLOCK_SIZE, num_kv_blocks=blocks, enforce_eager=enforce_eager, capture_sizes=[rows],
         **options,
     )
-    return LLMEngine(config, progress=False)
+    try:
+        return LLMEngine(config, progress=False)
+    except ConfigError as exc:
+        if "max_position_embeddings" not in str(exc):
+            raise
+        raise ConfigError(f"a context of {context} tokens leaves no position for the {query_tokens} decoded "
+                          f"token(s) ({exc}): lower --context / --contexts") from None
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context: int,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from graphrt.cli import main
 
 
@@ -64,3 +66,12 @@ def test_unfused_flag_maps_to_the_engine_option():
     for command in ("generate", "bench", "profile"):
         assert build_parser().parse_args([command]).fused_kernels is None
         assert build_parser().parse_args([command, "--unfused"]).fused_kernels is False
+
+
+@pytest.mark.parametrize("argv", [["profile", "--context", "2048"],
+                                  ["bench", "--contexts", "2048", "--batch-sizes", "1"]])
+def test_a_context_at_the_models_last_position_names_the_option(argv, capsys):
+    # random:tiny has 2048 positions: a context of 2048 leaves none for the decoded token.
+    assert main([argv[0], "--model", "random:tiny", "--device", "cpu", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "a context of 2048 tokens leaves no position for the 1 decoded token(s)" in err and "--context" in err
