@@ -196,10 +196,11 @@ class EngineConfig:
             setattr(self, name, int(value))
         for name, least in _OPTIONAL_COUNTS.items():
             value = getattr(self, name)
-            if value is not None and not (is_count(value) and value >= least):
+            if value is None:
+                continue
+            if not (is_count(value) and value >= least):
                 raise ConfigError(f"{name} must be None or an integer >= {least}, got {value!r}")
-            if value is not None:
-                setattr(self, name, int(value))
+            setattr(self, name, int(value))
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

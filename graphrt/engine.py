@@ -23,8 +23,8 @@ from graphrt.capture.prefill_graphs import PrefillGraphRunner, mixed_buckets
 from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
                             resolve_kv_cache_dtype)
 from graphrt.host_memory import return_freed_host_memory
-from graphrt.kv_cache import (allocate_kv_caches, allocation_named, bytes_per_block, check_fits,
-                              default_cpu_num_blocks, num_blocks_for_bytes)
+from graphrt.kv_cache import (allocate_kv_caches, allocation_named, bytes_per_block, default_cpu_num_blocks,
+                              num_blocks_for_bytes)
 from graphrt.loader import load_weights_into, open_checkpoint
 from graphrt.loader.tokenizer import TextStream, Tokenizer
 from graphrt.model_runner import ModelRunner, profile_prefill_peak_memory
@@ -105,16 +105,15 @@ class LLMEngine:
 
         num_blocks = self._choose_num_blocks()
         cache_bytes = num_blocks * bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
-        what, remedy = (f"a KV cache of {num_blocks} blocks",
-                        "lower num_kv_blocks (--num-kv-blocks), kv_cache_bytes or gpu_memory_utilization")
-        check_fits(what, cache_bytes, self.device, str(self.device), remedy)
+        with allocation_named(f"a KV cache of {num_blocks} blocks", cache_bytes, self.device, str(self.device),
+                              "lower num_kv_blocks (--num-kv-blocks), kv_cache_bytes or gpu_memory_utilization"):
+            kv_caches = allocate_kv_caches(self.model_config, self.attention_backend, num_blocks, config.block_size,
+                                           self.kv_cache_dtype, self.device)
+        # The block tables after the cache: a cache too large to allocate is refused before they are sized by it.
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
         #: The longest sequence the KV cache holds (its usable blocks, the last token never cached).
         self.sequence_capacity = (num_blocks - 1) * config.block_size + 1
         self.max_model_len = self._fit_max_model_len(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
-        with allocation_named(what, cache_bytes, str(self.device), remedy):
-            kv_caches = allocate_kv_caches(self.model_config, self.attention_backend, num_blocks, config.block_size,
-                                           self.kv_cache_dtype, self.device)
         # A verify step decodes a row per draft token besides each sequence's own (graphrt.speculative.drafting).
         decode_rows = config.max_num_seqs if speculative is None else max(
             config.max_num_seqs, min(config.max_num_seqs * (speculative.num_tokens + 1), MAX_VERIFY_ROWS))
@@ -192,9 +191,8 @@ class LLMEngine:
         if num_blocks < 2:
             raise ConfigError(f"swap_space_bytes {self.config.swap_space_bytes} holds {num_blocks} KV blocks of "
                               f"{per_block} bytes; it needs at least 2 (one is the null block)")
-        what, remedy = f"a swap space of {num_blocks} KV blocks", "lower swap_space_bytes (--swap-space-mib)"
-        check_fits(what, num_blocks * per_block, torch.device("cpu"), "the host", remedy)
-        with allocation_named(what, num_blocks * per_block, "the host", remedy):
+        with allocation_named(f"a swap space of {num_blocks} KV blocks", num_blocks * per_block, torch.device("cpu"),
+                              "the host", "lower swap_space_bytes (--swap-space-mib)"):
             return SwapSpace.allocate(kv_caches, num_blocks)
 
     def _decode_runner(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_batch_size: int,

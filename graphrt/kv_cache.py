@@ -48,20 +48,17 @@ def memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(what: str, num_bytes: int, device: torch.device, where: str, remedy: str) -> None:
-    """Refuse, before anything is built for it, ``num_bytes`` of ``what`` that ``device``'s memory could
-    never hold (the allocation, and the bookkeeping sized with it, would fail or exhaust the host)."""
+@contextlib.contextmanager
+def allocation_named(what: str, num_bytes: int, device: torch.device, where: str, remedy: str) -> Iterator[None]:
+    """For the allocation of ``num_bytes`` of ``what`` on ``device``: refuses, on entry, a size that
+    ``device``'s memory could never hold (before anything is built for it: the allocation, and the
+    bookkeeping sized with it, would fail or exhaust the host), and turns a failed allocation inside
+    (out of device memory, or a host allocator's refusal) into a ConfigError. Either names ``what``,
+    its size, ``where`` and the option that sets it (``remedy``), instead of the allocator's traceback."""
     total = memory_bytes(device)
     if num_bytes > total:
         raise ConfigError(f"{what} takes {num_bytes / 2**30:.2f} GiB, more than {where} has "
                           f"({total / 2**30:.2f} GiB); {remedy}")
-
-
-@contextlib.contextmanager
-def allocation_named(what: str, num_bytes: int, where: str, remedy: str) -> Iterator[None]:
-    """Turns a failed allocation of ``num_bytes`` for ``what`` (out of device memory, or a host
-    allocator's refusal) into a ConfigError that names it, its size, ``where`` and the option that
-    sets it (``remedy``), instead of the allocator's traceback."""
     try:
         yield
     except (torch.OutOfMemoryError, RuntimeError) as exc:

@@ -428,8 +428,8 @@ def test_a_refused_allocation_is_named_and_other_errors_pass_through():
 
     with pytest.raises(ConfigError, match=r"a KV cache of 9 blocks of 1.00 GiB could not be allocated on cpu "
                                           r"\(DefaultCPUAllocator: can't allocate memory\); lower it"):
-        with allocation_named("a KV cache of 9 blocks", 2**30, "cpu", "lower it"):
+        with allocation_named("a KV cache of 9 blocks", 2**30, torch.device("cpu"), "cpu", "lower it"):
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore detail")
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        with allocation_named("a KV cache", 1, "cpu", "lower it"):
+        with allocation_named("a KV cache", 1, torch.device("cpu"), "cpu", "lower it"):
             raise RuntimeError("shape mismatch")
