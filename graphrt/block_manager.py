@@ -202,7 +202,85 @@ class BlockAllocator:
         self._generations[block_id] += 1
 
 
-class BlockManager:
+class BlockTables:
+    """Block tables and what they map positions to: the lookups of :class:`BlockManager`, which owns
+    the tables, and of a tensor-parallel rank's copy of the tables a step reads (``load``)."""
+
+    def __init__(self, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self._tables: dict[int, list[int]] = {}
+        self._versions: dict[int, int] = {}
+
+    def has(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` currently has a block table."""
+        return seq_id in self._tables
+
+    def _table(self, seq_id: int) -> list[int]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id} has no block table") from None
+
+    def snapshot(self, seq_ids) -> dict[int, tuple[list[int], int]]:
+        """Copies of the tables of ``seq_ids`` with their versions, for ``load``."""
+        return {seq_id: (list(self._table(seq_id)), self._versions[seq_id]) for seq_id in seq_ids}
+
+    def load(self, snapshot: dict[int, tuple[list[int], int]]) -> None:
+        """Hold exactly the tables of ``snapshot`` (``BlockManager.snapshot``'s), versions included."""
+        self._tables = {seq_id: table for seq_id, (table, _) in snapshot.items()}
+        self._versions = {seq_id: version for seq_id, (_, version) in snapshot.items()}
+
+    # ---- lookups ---------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of ``seq_id``'s physical block ids, in position order."""
+        return list(self._table(seq_id))
+
+    def table_version(self, seq_id: int) -> int:
+        """A positive int naming the current contents of ``seq_id``'s table: it changes with every
+        change to the table (allocate, grow, fork, copy-on-write) and no other table state, of any
+        sequence, ever has it. Equal versions mean equal tables, so a reader that staged a table
+        can skip restaging it (``DecodeBatch.block_table_versions``)."""
+        self._table(seq_id)
+        return self._versions[seq_id]
+
+    def _block_index(self, table: list[int], position: int) -> int:
+        if not isinstance(position, int) or not 0 <= position < len(table) * self.block_size:
+            raise IndexError(
+                f"position {position!r} is outside the block table "
+                f"(capacity {len(table) * self.block_size} positions)"
+            )
+        return position // self.block_size
+
+    def slot(self, seq_id: int, position: int) -> int:
+        """Flat KV-cache slot of ``seq_id``'s token at ``position``.
+
+        ``table[position // block_size] * block_size + position % block_size``;
+        IndexError when the position is beyond the table.
+        """
+        table = self._table(seq_id)
+        index = self._block_index(table, position)
+        return table[index] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slots of positions ``start`` (inclusive) to ``end`` (exclusive).
+
+        IndexError unless ``0 <= start <= end <= capacity``.
+        """
+        table = self._table(seq_id)
+        capacity = len(table) * self.block_size
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= capacity):
+            raise IndexError(
+                f"positions [{start!r}, {end!r}) are outside the block table "
+                f"(capacity {capacity} positions)"
+            )
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class BlockManager(BlockTables):
     """Per-sequence block tables over a :class:`BlockAllocator`.
 
     Sequences are identified by an int ``seq_id`` chosen by the caller.
@@ -221,11 +299,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.block_size = block_size
+        super().__init__(block_size)
         self.allocator = BlockAllocator(num_blocks)
-        self._tables: dict[int, list[int]] = {}
         #: Whether full computed blocks are shared by later sequences with the same leading tokens.
         self.prefix_caching = prefix_caching
         # Per sequence: how many of its leading blocks are cached under its own prefix's keys; a sequence
@@ -237,7 +312,6 @@ class BlockManager:
         self.prefix_hit_tokens = 0
         # A version per table, drawn from one counter, so that a version names one table's contents:
         # it changes whenever the table does and is never reused (see ``table_version``).
-        self._versions: dict[int, int] = {}
         self._version_counter = itertools.count(1)
 
     # ---- capacity -------------------------------------------------------
@@ -275,16 +349,6 @@ class BlockManager:
         return sum(self._extra_blocks(seq_id, n) for seq_id, n in targets) <= self.num_free_blocks
 
     # ---- table lifecycle ------------------------------------------------
-
-    def has(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` currently has a block table."""
-        return seq_id in self._tables
-
-    def _table(self, seq_id: int) -> list[int]:
-        try:
-            return self._tables[seq_id]
-        except KeyError:
-            raise KeyError(f"sequence {seq_id} has no block table") from None
 
     def _take(self, count: int) -> list[int]:
         # Check before taking anything so a failure never leaves a partial
@@ -409,6 +473,9 @@ class BlockManager:
         self._new_version(seq_id)
         return src, dst
 
+    def _new_version(self, seq_id: int) -> None:
+        self._versions[seq_id] = next(self._version_counter)
+
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s table, releasing one reference to each of its blocks."""
         table = self._table(seq_id)
@@ -421,53 +488,3 @@ class BlockManager:
         # size gets the same table back.
         for block_id in reversed(table):
             self.allocator.free(block_id)
-
-    # ---- lookups ---------------------------------------------------------
-
-    def block_table(self, seq_id: int) -> list[int]:
-        """A copy of ``seq_id``'s physical block ids, in position order."""
-        return list(self._table(seq_id))
-
-    def table_version(self, seq_id: int) -> int:
-        """A positive int naming the current contents of ``seq_id``'s table: it changes with every
-        change to the table (allocate, grow, fork, copy-on-write) and no other table state, of any
-        sequence, ever has it. Equal versions mean equal tables, so a reader that staged a table
-        can skip restaging it (``DecodeBatch.block_table_versions``)."""
-        self._table(seq_id)
-        return self._versions[seq_id]
-
-    def _new_version(self, seq_id: int) -> None:
-        self._versions[seq_id] = next(self._version_counter)
-
-    def _block_index(self, table: list[int], position: int) -> int:
-        if not isinstance(position, int) or not 0 <= position < len(table) * self.block_size:
-            raise IndexError(
-                f"position {position!r} is outside the block table "
-                f"(capacity {len(table) * self.block_size} positions)"
-            )
-        return position // self.block_size
-
-    def slot(self, seq_id: int, position: int) -> int:
-        """Flat KV-cache slot of ``seq_id``'s token at ``position``.
-
-        ``table[position // block_size] * block_size + position % block_size``;
-        IndexError when the position is beyond the table.
-        """
-        table = self._table(seq_id)
-        index = self._block_index(table, position)
-        return table[index] * self.block_size + position % self.block_size
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of positions ``start`` (inclusive) to ``end`` (exclusive).
-
-        IndexError unless ``0 <= start <= end <= capacity``.
-        """
-        table = self._table(seq_id)
-        capacity = len(table) * self.block_size
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= capacity):
-            raise IndexError(
-                f"positions [{start!r}, {end!r}) are outside the block table "
-                f"(capacity {capacity} positions)"
-            )
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
