@@ -61,13 +61,29 @@ class RandomCheckpoint:
         and quantized per row, so an FP8 model is the quantized 16-bit one of the same seed."""
         first = next(model.parameters())
         generator = torch.Generator(device=first.device).manual_seed(self.seed)
+        # A tensor-parallel rank draws each full matrix and keeps its part (``ShardLayout``), so that the
+        # ranks together hold the one-rank model of the same seed.
+        shard = getattr(model, "shard", None)
+
+        def draw_whole(name: str, shape: torch.Size) -> torch.Tensor:
+            full = shape if shard is None else shard.full_shape(name, shape)
+            return torch.empty(full, dtype=first.dtype, device=first.device).normal_(0.0, self.init_std,
+                                                                                      generator=generator)
+
+        def draw(name: str, shape: torch.Size) -> torch.Tensor:
+            drawn = draw_whole(name, shape)
+            return drawn if shard is None else shard.local_of_parameter(name, drawn)
+
         with torch.no_grad():
             norms = []
             for module_name, module in model.named_modules():
                 if isinstance(module, Fp8Linear):
-                    drawn = torch.empty(module.out_features, module.in_features, dtype=first.dtype,
-                                        device=first.device)
-                    module.quantize_rows_from(0, drawn.normal_(0.0, self.init_std, generator=generator))
+                    name, shape = module_name + ".weight", torch.Size((module.out_features, module.in_features))
+                    if shard is not None and shard.splits_columns(name):  # whole rows' scales, as on one rank
+                        module.quantize_columns_from(draw_whole(name, shape),
+                                                     lambda codes: shard.local_part(name, None, codes, name))
+                    else:
+                        module.quantize_rows_from(0, draw(name, shape))
                 for param_name, param in module.named_parameters(recurse=False):
                     name = f"{module_name}.{param_name}" if module_name else param_name
                     if name.endswith("norm.weight"):
@@ -75,7 +91,7 @@ class RandomCheckpoint:
                     elif name.endswith(".bias"):
                         param.zero_()
                     else:
-                        param.normal_(0.0, self.init_std, generator=generator)
+                        param.copy_(draw(name, param.shape))
             # Norm weights are drawn around 1 rather than set to 1, so that no two norms are alike: with
             # unit weights a model that applies one norm's weight in another's place (the input norm's for
             # the post-attention norm's, say) computes the same thing and no comparison can tell. They are

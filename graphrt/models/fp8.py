@@ -19,6 +19,7 @@ block scales).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,20 @@ class Fp8Linear(nn.Module):
         device, in this layer's scale layout)."""
         codes, scales = quantize_weight(weight.to(self.weight.device), self.scale_columns)
         self.store_rows(start, codes, scales)
+
+    def quantize_columns_from(self, weight: torch.Tensor, columns_held: Callable[[torch.Tensor], torch.Tensor]
+                              ) -> None:
+        """Quantise a whole 16-bit or float32 weight [out, full in] of which this layer holds the columns
+        ``columns_held(codes)`` cuts (a tensor-parallel rank's slice): the rows' scales are the whole
+        rows' (as on one rank), the codes this layer's columns of them. Per-row scales only."""
+        if self.scale_columns is not None:
+            raise ValueError("quantize_columns_from takes a layer of one scale a row")
+        codes, scales = quantize_weight(weight.to(self.weight.device))
+        held = columns_held(codes)
+        if tuple(held.shape) != tuple(self.weight.shape):
+            raise ModelLoadError(f"a weight of shape {tuple(weight.shape)} does not fill an FP8 layer of "
+                                 f"{tuple(self.weight.shape)} columns held")
+        self.store_rows(0, held, scales)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in ``dtype``: ``Q * scale`` in float32, rounded once."""

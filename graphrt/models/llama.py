@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, scales_for_rows
 from .kernel_policy import KernelPolicy
 from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
+from .tensor_parallel import ShardLayout, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +186,13 @@ class LlamaDecoderLayer(nn.Module):
     passes ``hidden=None``.
     """
 
-    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, policy: KernelPolicy):
+    def __init__(self, config: ModelConfig, rotary, backend, dtype, device, policy: KernelPolicy,
+                 tensor_parallel: TensorParallel):
         super().__init__()
         self.policy = policy
+        #: Over several ranks the o and down projections give partial sums, all-reduced before they join
+        #: the stream.
+        self.tensor_parallel = tensor_parallel
         norm = dict(eps=config.rms_norm_eps, dtype=dtype, device=device, fused=policy.fused)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         self.self_attn = LlamaAttention(config, rotary, backend, dtype, device, policy)
@@ -225,9 +230,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual, quantize=quantize)
         attended = self.self_attn.o_proj(self.self_attn(positions, normed, kv_cache, attn_metadata))
+        attended = self.tensor_parallel.all_reduce(attended)
         quantize = _quantizes_input(self.mlp.gate_up_proj, rows, device, policy)
         normed, residual = self.post_attention_layernorm(attended, residual, quantize=quantize)
-        return self.mlp(normed), residual
+        return self.tensor_parallel.all_reduce(self.mlp(normed)), residual
 
     def _forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
         if residual is None:
@@ -238,17 +244,26 @@ class LlamaDecoderLayer(nn.Module):
         linear = self._linear_rows if self.policy.runs_gemv_rows(positions.shape[0]) else self._linear_gemv
         launch = {"dependent_launch": self.policy.dependent_launch}
         attended = attention(positions, residual, kv_cache, attn_metadata, input_norm=self.input_layernorm)
-        linear(attended, attention.o_proj.weight, attention.o_proj.bias,
-                            epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
-                            weight_scale=_row_scales(attention.o_proj), **launch)
+        self._add_projection(linear, attended, attention.o_proj, residual, launch)
         activated = linear(
             residual, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
             eps=self.post_attention_layernorm.eps, epilogue=kernels.EPILOGUE_SILU_MUL,
             weight_scale=_row_scales(mlp.gate_up_proj), **launch,
         )
-        linear(activated, mlp.down_proj.weight, epilogue=kernels.EPILOGUE_ADD_TO_OUT, out=residual,
-                            weight_scale=_row_scales(mlp.down_proj), **launch)
+        self._add_projection(linear, activated, mlp.down_proj, residual, launch)
         return None, residual
+
+    def _add_projection(self, linear, x: torch.Tensor, projection: nn.Module, residual: torch.Tensor,
+                        launch: dict) -> None:
+        """residual += projection(x) on the GEMV kernels: in the kernel's epilogue on one rank; over
+        several, each rank's partial product is all-reduced first (adding it in the epilogue on every
+        rank would add the stream once a rank)."""
+        if not self.tensor_parallel.enabled:
+            linear(x, projection.weight, projection.bias, epilogue=self._gemv.EPILOGUE_ADD_TO_OUT, out=residual,
+                   weight_scale=_row_scales(projection), **launch)
+            return
+        partial = linear(x, projection.weight, projection.bias, weight_scale=_row_scales(projection), **launch)
+        residual.add_(self.tensor_parallel.all_reduce(partial))
 
 
 #: Checkpoint tensor suffixes: scales of an FP8 weight; of the activations (unused: graphrt quantises
@@ -280,32 +295,43 @@ class LlamaForCausalLM(nn.Module):
         fused_kernels: bool = False,
         dependent_launch: bool = False,
         quantization: str | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
         super().__init__()
+        #: This process's rank among the ranks that hold the model (one rank: the whole model).
+        self.tensor_parallel = tensor_parallel or TensorParallel()
+        #: What this rank holds of the checkpoint's tensors (None on one rank).
+        self.shard = (ShardLayout.of(config, self.tensor_parallel.rank, self.tensor_parallel.size)
+                      if self.tensor_parallel.enabled else None)
+        #: The model this process runs: over several ranks its slice of the heads and the MLP (the
+        #: vocabulary stays whole: logits are gathered).
+        config = config if self.shard is None else self.shard.config
         self.config = config
         #: The kernels every forward runs, chosen here once (``KernelPolicy.choose``). With
         #: ``quantization`` the layers' linear layers are ``Fp8Linear``s, which ``load_weights`` fills
         #: from FP8 checkpoint tensors or quantizes 16-bit ones into.
         self.kernel_policy = KernelPolicy.choose(config, dtype, fused_kernels, dependent_launch,
                                                  quantization=quantization, device=torch.device(device))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        #: Rows of the embedding and LM head held here: the vocabulary, or this rank's slice of it.
+        self.vocab_rows = config.vocab_size if self.shard is None else self.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(self.vocab_rows, config.hidden_size, dtype=dtype, device=device)
         # One rotary table shared by all layers; cos/sin stay float32 for precision.
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, self.kernel_policy)
+            LlamaDecoderLayer(config, self.rotary, backend, dtype, device, self.kernel_policy, self.tensor_parallel)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused=self.kernel_policy.fused)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False, dtype=dtype, device=device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, hidden]: the output projection (the embedding table when tied)."""
+        """[vocab_rows, hidden]: the output projection (the embedding table when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
@@ -317,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden] in the model dtype."""
         self._check_weights()
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self._embed(input_ids), None
         if nvtx.layers_enabled():  # checked once per forward, so the plain loop below stays free
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 with nvtx.layer(index):
@@ -329,6 +355,16 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(residual)
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden]: over several ranks each looks up the ids in its vocabulary slice
+        (zeros for the others') and the rows are all-reduced."""
+        if self.shard is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        held = (local >= 0) & (local < self.vocab_rows)
+        rows = self.embed_tokens(local.clamp(0, self.vocab_rows - 1)) * held.unsqueeze(1).to(self.embed_tokens.weight.dtype)
+        return self.tensor_parallel.all_reduce(rows)
 
     def calibrate_kv_scales(self, forward: Callable[[], object]) -> list[tuple[float, float]]:
         """Run ``forward()`` (a forward of this model) while each attention layer records its largest
@@ -365,10 +401,14 @@ class LlamaForCausalLM(nn.Module):
         self._check_weights()
         weight = self.lm_head_weight
         if weight.dtype == torch.float32:
-            return nn.functional.linear(hidden, weight)
-        if hidden.is_cuda:
-            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        return nn.functional.linear(hidden.float(), weight.float())
+            logits = nn.functional.linear(hidden, weight)
+        elif hidden.is_cuda:
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:
+            logits = nn.functional.linear(hidden.float(), weight.float())
+        if self.shard is None:
+            return logits
+        return self.tensor_parallel.gather_columns(logits, self.config.vocab_size)  # each rank's vocabulary slice
 
     # -- weights -----------------------------------------------------------------------------------
 
@@ -416,9 +456,10 @@ class LlamaForCausalLM(nn.Module):
                                      f"{self.config.architecture}")
             loaded.setdefault(key if key in params else key + ".weight", set()).add(shard)
             installed.add((key, shard))
+        scale_block = self.config.fp8_checkpoint.weight_block if self.config.fp8_checkpoint else None
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
-                stored_head = tensor
+                stored_head = tensor if self.shard is None else self.shard.local_part(name, None, tensor, name)
                 continue
             target, shard = self._target_of(name)
             if target is None:
@@ -432,6 +473,12 @@ class LlamaForCausalLM(nn.Module):
             if leaf in _KV_SCALES or (leaf == "output_scale" and module_name.endswith("qkv_proj")):
                 self._set_kv_scale(module_name, leaf, shard, name, tensor)
                 continue
+            # This rank's rows or columns of it; but a 16-bit weight an FP8 layer holds columns of is
+            # quantized whole first (``_load_fp8_rows``), each row's scale the one-rank model's.
+            if self.shard is not None and not (leaf == "weight" and module_name in fp8_layers
+                                               and self._quantizes_whole_rows(fp8_layers[module_name], target,
+                                                                              tensor.dtype)):
+                tensor = self.shard.local_part(target, shard, tensor, name, scale_block)
             if self.kernel_policy.quantization is None and (leaf in _WEIGHT_SCALES or tensor.dtype == FP8_DTYPE):
                 raise ModelLoadError(f"checkpoint tensor {name!r} is an FP8 weight or scale, but the model was built "
                                      "unquantized: config.json declares no quantization_config (or pass "
@@ -485,7 +532,7 @@ class LlamaForCausalLM(nn.Module):
             return
         logger.warning("config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint "
                        "holds an lm_head.weight that differs from it: the stored head is used, untied")
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+        self.lm_head = nn.Linear(self.config.hidden_size, self.vocab_rows, bias=False,
                                  dtype=embedding.dtype, device=embedding.device)
         with torch.no_grad():
             self.lm_head.weight.copy_(head)
@@ -519,11 +566,20 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint tensor {scale[0]!r} scales {name!r}, which is {weight.dtype}, not FP8")
         return name, weight, scale
 
+    def _quantizes_whole_rows(self, layer: Fp8Linear, target: str, dtype: torch.dtype) -> bool:
+        """Whether a rank quantises a 16-bit weight of ``target`` whole before cutting its columns: it holds
+        columns of it, one scale a row (a scale over only its columns would differ from one rank's)."""
+        return (self.shard is not None and dtype != FP8_DTYPE and layer.scale_columns is None
+                and self.shard.splits_columns(target))
+
     def _load_fp8_rows(self, layer: Fp8Linear, key: str, shard: int | None, parts: dict) -> None:
         """Fill an FP8 layer's rows of one checkpoint shard: codes and scales as stored, or a 16-bit
         weight quantized per row."""
         name, weight, scale = self._fp8_weight_and_scale(key, parts)
         start, rows = (0, layer.out_features) if shard is None else self._shard_rows(key, shard)
+        if scale is None and self._quantizes_whole_rows(layer, key + ".weight", weight.dtype):
+            layer.quantize_columns_from(weight, lambda codes: self.shard.local_part(key + ".weight", None, codes, name))
+            return
         self._check_shape(name, weight, (rows, layer.in_features))
         if scale is None:
             layer.quantize_rows_from(start, weight)
