@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="most tokens a step runs, as for generate")
     serving.add_argument("--mixed-step-tokens", type=non_negative_int, default=512, metavar="N",
                          help="mixed steps, as for generate (default 512; 0: off)")
+    serving.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                         help="tensor parallelism over N ranks, as for generate (default 1)")
     serving.add_argument("--json", type=output_file, metavar="FILE", help="write the summary as JSON")
     serving.add_argument("--plot", type=plot_file, metavar="FILE", help="write a PNG of the TTFT and ITL CDFs")
 

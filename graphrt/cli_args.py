@@ -204,6 +204,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "forward (a mixed graph), reading the weights once for both (default 512; 0: prompt and "
                         "decode forwards run one after the other)")
     parser.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="split the model's heads, MLP and vocabulary over N ranks, one process each (on CUDA "
+                        "GPUs 0..N-1 over NCCL, on the CPU gloo); graphrt starts the other ranks itself, or joins "
+                        "them under torchrun --nproc-per-node N (default 1)")
     parser.add_argument("--sync-decode", dest="async_decode", action="store_const", const=False, default=None,
                         help="read each decode step's tokens before queueing the next (default on CUDA: the next "
                         "step is queued first, so the host's work overlaps the GPU's)")
@@ -226,7 +230,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "async_decode": args.async_decode, "speculative": args.speculative,
         "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prefix_caching": args.enable_prefix_caching,
         "swap_space_bytes": args.swap_space_mib << 20, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "mixed_step_tokens": args.mixed_step_tokens, **kernel_options(args),
+        "mixed_step_tokens": args.mixed_step_tokens, "tensor_parallel_size": args.tensor_parallel_size,
+        **kernel_options(args),
     }
 
 

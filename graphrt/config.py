@@ -184,6 +184,11 @@ class EngineConfig:
     #: without it. Steps with drafts run synchronously; with ``async_decode``, steps in which no
     #: sequence drafts are pipelined. Resolved to a ``SpeculativeConfig``.
     speculative: Any = None
+    #: Tensor parallelism: the model's heads, MLP and vocabulary split over this many ranks, one
+    #: process each (``graphrt.distributed``): on CUDA one GPU each (``cuda:0`` .. ``cuda:N-1``, NCCL),
+    #: on the CPU gloo. graphrt starts the other ranks' processes itself, or, under ``torchrun`` with
+    #: as many processes, joins them. Rank 0 schedules and sends each step to the others.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is not None and not (isinstance(self.model, (str, os.PathLike)) and str(self.model)):
@@ -232,11 +237,14 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
                               f"{', '.join(QUANTIZATIONS)} (or None for the model dtype)")
+        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method == "draft":
+            raise ConfigError("speculative method 'draft' does not run with tensor_parallel_size > 1 (the draft "
+                              "model is not split over the ranks); use method 'ngram', or one rank")
 
 
 #: Integer fields and their least value.
 _COUNTS = {"max_num_seqs": 1, "block_size": 1, "prefill_graph_tokens": 0, "mixed_step_tokens": 0,
-           "swap_space_bytes": 0, "max_logprobs": 0, "seed": 0}
+           "swap_space_bytes": 0, "max_logprobs": 0, "seed": 0, "tensor_parallel_size": 1}
 #: Integer fields that may be None (automatic) and their least value.
 _OPTIONAL_COUNTS = {"max_model_len": 2, "max_num_batched_tokens": 1, "max_capture_seq_len": 1,
                     "num_kv_blocks": 2, "kv_cache_bytes": 1}

@@ -17,11 +17,12 @@ from graphrt.attention import get_attention_backend
 from graphrt.base import nvtx
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.base.errors import ConfigError, GraphrtError, InvalidRequestError
-from graphrt.block_manager import BlockManager
+from graphrt.block_manager import BlockManager, BlockTables
 from graphrt.capture import DecodeGraphRunner, PendingTokens, choose_bucket
 from graphrt.capture.prefill_graphs import PrefillGraphRunner, mixed_buckets
 from graphrt.config import (DEFAULT_CHUNKED_BATCHED_TOKENS, EngineConfig, resolve_device, resolve_dtype,
                             resolve_kv_cache_dtype)
+from graphrt.distributed import RankGroup, rank_device, start_ranks
 from graphrt.host_memory import return_freed_host_memory
 from graphrt.kv_cache import (allocate_kv_caches, allocation_named, bytes_per_block, default_cpu_num_blocks,
                               num_blocks_for_bytes)
@@ -30,6 +31,7 @@ from graphrt.loader.tokenizer import TextStream, Tokenizer
 from graphrt.model_runner import ModelRunner, profile_prefill_peak_memory
 from graphrt.models.config import ModelConfig
 from graphrt.models.llama import LlamaForCausalLM
+from graphrt.models.tensor_parallel import check_divides
 from graphrt.outputs import RequestOutput
 from graphrt.sampling.logprobs import TokenLogprobs
 from graphrt.sampling.params import SamplingParams
@@ -39,6 +41,7 @@ from graphrt.sequence import FinishReason, Sequence
 from graphrt.speculative.draft_model import DraftModel
 from graphrt.speculative.drafting import Drafter, DraftPlan, SpeculativeStats
 from graphrt.speculative.step_costs import PIPELINED, SYNCHRONOUS, StepCosts
+from graphrt.step_relay import RelayingRunner, follow_steps
 from graphrt.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
@@ -69,14 +72,50 @@ def _prefilled(prefills: list[Sequence], token_ids: list[int | None]) -> list[Se
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    """``ranks``: this process's place among tensor-parallel ranks started for rank 0's engine
+    (``graphrt.distributed``); None for rank 0, which starts them when ``config.tensor_parallel_size``
+    asks. An engine of a rank other than 0 serves rank 0's steps from inside its constructor until rank 0
+    closes; under torchrun the process then exits (status 0), since the script's later lines are rank 0's
+    to run."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True, ranks: RankGroup | None = None) -> None:
         self.config = config
+        #: The tensor-parallel ranks (None with one): rank 0 sends them its steps.
+        self.ranks: RankGroup | None = ranks
+        self.closed = False
         nvtx.configure(enabled=config.nvtx, layers=config.nvtx_layers)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        try:
+            self._build(config, progress)
+        except BaseException as error:
+            reported = self.ranks.abandon() if self.ranks is not None else ""
+            if reported and not isinstance(error, GraphrtError):  # this rank's error: the connection to the one that failed
+                raise GraphrtError(f"a tensor-parallel rank failed to start: {reported}") from error
+            raise
+        if self.ranks is not None and not self.ranks.is_driver:
+            try:
+                follow_steps(self.runner, self.swap_space, self.ranks)
+            finally:
+                self.close()
+            if self.ranks.launched_by_torchrun:  # this process exists to serve rank 0: its work is done
+                raise SystemExit(0)
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this engine takes requests: one rank, or rank 0 of several."""
+        return self.ranks is None or self.ranks.is_driver
+
+    def _build(self, config: EngineConfig, progress: bool) -> None:
         with nvtx.range("load"):
             checkpoint = open_checkpoint(config.model, **config.loader_options)
+            #: The checkpoint's model (with tensor parallelism each rank runs a slice of it: ``model.config``).
             self.model_config: ModelConfig = checkpoint.config
+            if config.tensor_parallel_size > 1:
+                check_divides(self.model_config, config.tensor_parallel_size)
+                if self.ranks is None:
+                    self.ranks = start_ranks(config, self.device)
+                self.device = rank_device(self.device, self.ranks.rank, self.ranks.size)
             self.tokenizer: Tokenizer | None = checkpoint.tokenizer
             self.max_model_len = self._resolve_max_model_len()
             if config.enable_chunked_prefill:  # the budget a step's decodes and prompt chunks share
@@ -104,10 +143,13 @@ class LLMEngine:
                 self.draft_model_weights = self._build_draft_model(speculative, progress)
 
         num_blocks = self._choose_num_blocks()
-        cache_bytes = num_blocks * bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
+        if self.ranks is not None:  # every rank's tables are rank 0's: as many blocks as the least memory holds
+            num_blocks = self.ranks.agree_on_least(num_blocks)
+        shard = self.model.config  # the heads this rank caches
+        cache_bytes = num_blocks * bytes_per_block(shard, config.block_size, self.kv_cache_dtype)
         with allocation_named(f"a KV cache of {num_blocks} blocks", cache_bytes, self.device, str(self.device),
                               "lower num_kv_blocks (--num-kv-blocks), kv_cache_bytes or gpu_memory_utilization"):
-            kv_caches = allocate_kv_caches(self.model_config, self.attention_backend, num_blocks, config.block_size,
+            kv_caches = allocate_kv_caches(shard, self.attention_backend, num_blocks, config.block_size,
                                            self.kv_cache_dtype, self.device)
         # The block tables after the cache: a cache too large to allocate is refused before they are sized by it.
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching)
@@ -136,9 +178,13 @@ class LLMEngine:
             self.decode_runner.capture(progress=progress)
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture(progress=progress)
-        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, self.block_manager, self.decode_runner,
+        # Ranks other than 0 read the tables rank 0 sends with each step.
+        tables = self.block_manager if self.is_driver else BlockTables(config.block_size)
+        self.runner = ModelRunner(self.model, kv_caches, self.attention_backend, tables, self.decode_runner,
                                   kv_scales_pending=self.calibrate_kv_scales, progress=progress,
                                   prefill_graphs=self.prefill_graphs)
+        if self.ranks is not None and self.is_driver:
+            self.runner = RelayingRunner(self.runner, self.block_manager, self.ranks)
         #: Host blocks for swap preemption (None: preempted sequences are recomputed).
         self.swap_space = self._swap_space(kv_caches) if config.swap_space_bytes else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
@@ -173,20 +219,20 @@ class LLMEngine:
         self._prompt_copies: dict[int, list[int]] = {}
         #: Per running sequence with stop strings (``SamplingParams.stop``): their watch over its text.
         self._stop_strings: dict[int, StopStrings] = {}
-        self.closed = False
         logger.info(
             "graphrt engine: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, "
-            "%s kernels%s%s",
+            "%s kernels%s%s%s",
             self.model_config.architecture, self.device, self.dtype,
             f", {self.quantization} weights" if self.quantization else "", num_blocks, config.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, self.attention_backend.name,
             "fused" if self.fused_kernels else "unfused", " (dependent launches)" if self.dependent_launch else "",
             ", KV scales to calibrate over the first prefill" if self.calibrate_kv_scales else "",
+            f", tensor-parallel rank {self.ranks.rank} of {self.ranks.size}" if self.ranks is not None else "",
         )
 
     def _swap_space(self, kv_caches: list[torch.Tensor]) -> SwapSpace:
         """``swap_space_bytes`` of host blocks shaped as the cache's (a null block among them)."""
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        per_block = bytes_per_block(self.model.config, self.config.block_size, self.kv_cache_dtype)
         num_blocks = self.config.swap_space_bytes // per_block
         if num_blocks < 2:
             raise ConfigError(f"swap_space_bytes {self.config.swap_space_bytes} holds {num_blocks} KV blocks of "
@@ -224,6 +270,7 @@ class LLMEngine:
             model = LlamaForCausalLM(
                 checkpoint.config, self.attention_backend, self.max_model_len, self.dtype, self.device,
                 fused_kernels=self.fused_kernels, dependent_launch=self.dependent_launch, quantization=quantization,
+                tensor_parallel=None if self.ranks is None else self.ranks.tensor_parallel,
             )
         except ValueError as exc:  # e.g. a head size the attention backend cannot run
             raise ConfigError(f"cannot build {checkpoint.config.architecture}: {exc}") from None
@@ -398,7 +445,10 @@ class LLMEngine:
         if scheduled.swap_in or scheduled.swap_out:
             try:
                 with nvtx.range("swap"):
-                    self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
+                    if self.ranks is not None:  # every rank copies its own cache's blocks
+                        self.runner.copy_swaps(self.swap_space, scheduled.swap_in, scheduled.swap_out)
+                    else:
+                        self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
             except BaseException:
                 # Blocks a copy may not have filled: their sequences are recomputed instead.
                 self.scheduler.abandon_swaps(scheduled)
@@ -741,6 +791,8 @@ class LLMEngine:
                 torch.cuda.empty_cache()
             else:
                 return_freed_host_memory()
+            if self.ranks is not None:  # rank 0 tells the others to close, and waits for those it started
+                self.ranks.close()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -893,9 +945,9 @@ class LLMEngine:
             return cfg.num_kv_blocks
         if self.device.type == "cpu":
             if cfg.kv_cache_bytes is not None:
-                return num_blocks_for_bytes(cfg.kv_cache_bytes, self.model_config, cfg.block_size, self.kv_cache_dtype)
+                return num_blocks_for_bytes(cfg.kv_cache_bytes, self.model.config, cfg.block_size, self.kv_cache_dtype)
             return default_cpu_num_blocks(
-                self.model_config, cfg.block_size, self.kv_cache_dtype, cfg.max_num_seqs, self.max_model_len
+                self.model.config, cfg.block_size, self.kv_cache_dtype, cfg.max_num_seqs, self.max_model_len
             )
         return self._profile_gpu_num_blocks()
 
@@ -911,7 +963,7 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.gpu_memory_utilization) - peak - held_elsewhere
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        per_block = bytes_per_block(self.model.config, self.config.block_size, self.kv_cache_dtype)
         if self.draft_model_weights is not None:  # the draft model's cache gets as many blocks
             per_block += bytes_per_block(self.draft_model_weights.config, self.config.block_size, self.kv_cache_dtype)
         if budget < 2 * per_block:

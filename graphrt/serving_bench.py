@@ -264,7 +264,8 @@ def main(args) -> int:
         options["speculative"] = args.speculative
     options.update(enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
                    max_num_batched_tokens=args.max_num_batched_tokens, swap_space_bytes=args.swap_space_mib << 20,
-                   mixed_step_tokens=args.mixed_step_tokens, num_kv_blocks=args.num_kv_blocks)
+                   mixed_step_tokens=args.mixed_step_tokens, num_kv_blocks=args.num_kv_blocks,
+                   tensor_parallel_size=args.tensor_parallel_size)
     try:
         llm = LLM(args.model, **options)
     except ConfigError as exc:

@@ -34,6 +34,9 @@ def decode_engine(
     decoding ``query_tokens`` rows each a step: KV blocks for them plus the null block, one capture
     bucket (``batch_size`` x ``query_tokens`` rows), no memory profiling.
     ``options`` are further ``EngineConfig`` fields (e.g. ``nvtx=True``)."""
+    if options.get("tensor_parallel_size", 1) != 1:
+        raise ConfigError("bench and profile drive one engine's decode graphs directly, on one rank; "
+                          "tensor_parallel_size > 1 runs through the engine (generate, serve, bench-serving)")
     rows = batch_size * query_tokens
     blocks = batch_size * -(-(context + query_tokens) // BLOCK_SIZE) + 1
     config = EngineConfig(

@@ -36,7 +36,9 @@ for stage in $stages; do
     model-float32)  # the real default model in float32 against HF float32 token for token, and served over
                     # the OpenAI API (needs fastapi, uvicorn and openai)
       files="tests/test_gpu_default_model.py tests/test_gpu_serve.py" keyword="float32 or serve" ;;
-    *) echo "unknown stage $stage (kernels, engine, model, model-float32, fp8, all)" >&2; exit 2 ;;
+    tensor-parallel)  # two ranks over NCCL against one (needs two GPUs: nvidia-h200-x2; not in "all")
+      files="tests/test_gpu_tensor_parallel.py" ;;
+    *) echo "unknown stage $stage (kernels, engine, model, model-float32, fp8, tensor-parallel, all)" >&2; exit 2 ;;
   esac
   echo "== $(date +%T) stage $stage"
   # shellcheck disable=SC2086

@@ -1,0 +1,258 @@
+"""Tensor-parallel ranks: starting or joining their processes, and the channel over which rank 0 sends
+each step to the others.
+
+Every rank builds the same engine over its slice of the model (``graphrt.models.tensor_parallel``).
+Rank 0 schedules; before each call that runs the model it sends the call (its sequences and the block
+tables they read) to the other ranks, which make the same call on their own runner, so that every
+rank runs the same forwards in the same order and their collectives meet. Logits are gathered on every
+rank and sampled there alike (same seeds), so each rank's decode graphs feed their own samples to the
+next step as on one rank.
+
+Processes: graphrt starts ranks 1 .. N-1 itself (``torch.multiprocessing``, spawned: a script that
+builds an engine needs the ``if __name__ == "__main__":`` guard), or, under ``torchrun`` with
+``WORLD_SIZE`` equal to the size asked for, every process is a rank already and the others serve rank
+0's steps from inside their engine's constructor until rank 0 closes.
+
+Collectives of the model run over the default process group (NCCL for CUDA tensors, gloo for CPU ones);
+the step messages over a gloo group of their own, which waits for rank 0 without a timeout (a rank
+idle between requests is not a failure; a rank whose peer exits sees its connection close).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import socket
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from graphrt.base.errors import ConfigError, GraphrtError
+from graphrt.models.tensor_parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+#: How long rank 0 waits for a started rank to exit once it has been told to close.
+_EXIT_WAIT_SECONDS = 60
+#: The step channel's timeout: long enough for any idle period between requests.
+_IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass
+class RankGroup:
+    """This process's rank among ``size``, the collectives of its model (``tensor_parallel``), the
+    step channel, and the processes it started (rank 0, when graphrt started them)."""
+
+    rank: int
+    size: int
+    tensor_parallel: TensorParallel
+    channel: object
+    processes: list = field(default_factory=list)
+    errors: object | None = None
+    #: Whether this group set up torch.distributed's default group (and tears it down on close).
+    owns_default_group: bool = False
+    #: Whether torchrun started this process (not graphrt).
+    launched_by_torchrun: bool = False
+    closed: bool = False
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it schedules, the others follow its steps."""
+        return self.rank == 0
+
+    def send(self, message: tuple) -> None:
+        """Rank 0: send ``message`` to every other rank (they ``receive`` it in the same order)."""
+        self._check_ranks_alive()
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.channel, device=torch.device("cpu"))
+
+    def receive(self) -> tuple:
+        """Ranks 1 .. N-1: the next message rank 0 sent."""
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.channel, device=torch.device("cpu"))
+        return box[0]
+
+    def agree_on_least(self, value: int) -> int:
+        """The least of every rank's ``value`` (e.g. the KV blocks each rank's memory holds)."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.channel)
+        return int(tensor.item())
+
+    def _check_ranks_alive(self) -> None:
+        dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
+                if not process.is_alive()]
+        if dead:
+            raise GraphrtError(f"tensor-parallel rank(s) {', '.join(str(rank) for rank, _ in dead)} exited "
+                               f"(exit code {dead[0][1]}){self._reported_error()}; close this engine")
+
+    def _reported_error(self) -> str:
+        if self.errors is None:
+            return ""
+        try:
+            return ": " + self.errors.get(timeout=1)
+        except Exception:  # nothing reported (killed, say)
+            return ""
+
+    def abandon(self) -> str:
+        """After a failed start: stop the processes this rank started (they may be anywhere in their own
+        start, so nothing is sent) and leave the process groups. Returns what a started rank reported
+        of its own failure ("" for none)."""
+        if self.closed:
+            return ""
+        self.closed = True
+        reported = self._reported_error() if any(not p.is_alive() for p in self.processes) else ""
+        for process in self.processes:
+            process.terminate()
+            process.join(_EXIT_WAIT_SECONDS)
+        self._leave_groups()
+        return reported.removeprefix(": ")
+
+    def _leave_groups(self) -> None:
+        if self.owns_default_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Rank 0 tells the others to close (they leave their loop), waits for the processes it
+        started; every rank then leaves the process groups it set up. Twice is a no-op."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.is_driver and all(process.is_alive() for process in self.processes):
+                self.send(("close",))
+        finally:
+            for process in self.processes:
+                process.join(_EXIT_WAIT_SECONDS)
+                if process.is_alive():
+                    logger.warning("tensor-parallel rank process %d did not exit; terminating it", process.pid)
+                    process.terminate()
+            self._leave_groups()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def under_torchrun(size: int) -> bool:
+    """Whether this process is one of ``size`` started by ``torchrun`` (its environment says so)."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "RANK" not in os.environ:
+        return False
+    if int(world) != size:
+        raise ConfigError(f"tensor_parallel_size {size} under torchrun with WORLD_SIZE {world}: start as many "
+                          "processes as ranks (torchrun --nproc-per-node N)")
+    return True
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """The device of ``rank``: on CUDA the rank-th GPU counted from ``device``'s index, on the CPU the CPU."""
+    if device.type != "cuda":
+        return device
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise ConfigError(f"tensor_parallel_size {size} needs GPUs {first}..{first + size - 1}; torch sees {count}")
+    return torch.device("cuda", first + rank)
+
+
+def start_ranks(config, device: torch.device) -> RankGroup:
+    """Rank 0's side: start ranks 1 .. N-1 (``config.tensor_parallel_size``) in processes of their own,
+    each building an engine from ``config`` and serving this one's steps, and join them in the process
+    groups; under torchrun, join the processes already started instead (this one's rank from the
+    environment, which may be other than 0)."""
+    size = config.tensor_parallel_size
+    import torch.distributed as dist
+
+    if under_torchrun(size):
+        rank = int(os.environ["RANK"])
+        owns = not dist.is_initialized()
+        if owns:
+            if device.type == "cuda":
+                torch.cuda.set_device(rank_device(device, rank, size))
+            dist.init_process_group(_backend(device))
+        group = _group(rank, size, owns_default_group=owns)
+        group.launched_by_torchrun = True
+        return group
+    import torch.multiprocessing as mp
+
+    if dist.is_initialized():
+        raise ConfigError("tensor_parallel_size > 1 with a torch.distributed group already set up in this "
+                          "process (outside torchrun): graphrt starts its own ranks")
+    context = mp.get_context("spawn")
+    errors = context.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    processes = []
+    for rank in range(1, size):
+        process = context.Process(target=_serve_rank, args=(config, rank, size, init_method, errors), daemon=True,
+                                  name=f"graphrt-rank-{rank}")
+        process.start()
+        processes.append(process)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(rank_device(device, 0, size))
+        dist.init_process_group(_backend(device), init_method=init_method, rank=0, world_size=size)
+        group = _group(0, size, owns_default_group=True)
+    except BaseException:
+        for process in processes:
+            process.terminate()
+        raise
+    group.processes, group.errors = processes, errors
+    _close_at_exit(group)
+    return group
+
+
+def _close_at_exit(group: RankGroup) -> None:
+    """A script that ends without closing its engine: the started ranks are told to close at exit."""
+    reference = weakref.ref(group)
+
+    def close() -> None:
+        alive = reference()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
+
+
+def _group(rank: int, size: int, owns_default_group: bool) -> RankGroup:
+    import torch.distributed as dist
+
+    channel = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return RankGroup(rank, size, TensorParallel(rank, size, group=None), channel,
+                     owns_default_group=owns_default_group)
+
+
+def _serve_rank(config, rank: int, size: int, init_method: str, errors) -> None:
+    """A started rank's process: join the groups, build the engine, serve rank 0's steps until it closes."""
+    try:
+        import torch.distributed as dist
+
+        from graphrt.config import resolve_device
+
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank_device(device, rank, size))
+        dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=size)
+        group = _group(rank, size, owns_default_group=True)
+        from graphrt.engine import LLMEngine
+
+        LLMEngine(config, progress=False, ranks=group)  # serves until rank 0 closes
+    except BaseException as error:
+        errors.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
