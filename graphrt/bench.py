@@ -96,8 +96,9 @@ def weight_bytes_read(engine: LLMEngine, batch_size: int) -> int:
 
 
 def kv_bytes_read(engine: LLMEngine, batch_size: int, context: int) -> int:
-    """Bytes of cached keys and values one decode step reads, in the cache's dtype."""
-    cfg = engine.model_config
+    """Bytes of cached keys and values one decode step reads, in the cache's dtype (of the KV heads this
+    rank holds, with tensor parallelism)."""
+    cfg = engine.model.config
     element = torch.empty((), dtype=engine.kv_cache_dtype).element_size()
     return batch_size * context * cfg.num_hidden_layers * 2 * cfg.kv_size * element
 
@@ -325,6 +326,8 @@ def write_plot(result: dict, path: str) -> None:
 
 def main(args) -> int:
     resolve_device(args.device)  # a device torch does not see is refused before the table starts
+    if args.tensor_parallel_size > 1:
+        return _main_parallel(args)
     storage = [f"{args.quantization} weights"] if args.quantization else []
     storage += [f"{args.kv_cache_dtype} KV cache"] if args.kv_cache_dtype != "auto" else []
     if storage:
@@ -340,4 +343,26 @@ def main(args) -> int:
             json.dump(result, f, indent=2)
     if args.plot:
         write_plot(result, args.plot)
+    return 0
+
+
+def _main_parallel(args) -> int:
+    """``bench --tensor-parallel-size N``: the engine's steady steps over N ranks (``graphrt.parallel_bench``)."""
+    from graphrt.parallel_bench import PARALLEL_HEADER, run_parallel_bench
+
+    unused = [flag for flag, used in (("--query-tokens", args.query_tokens != [1]),
+                                      ("--compare-unfused", args.compare_unfused), ("--plot", args.plot),
+                                      ("--temperature/--top-k/--top-p", (args.temperature, args.top_k, args.top_p)
+                                       != (0.0, 0, 1.0))) if used]
+    if unused:
+        raise ConfigError(f"bench --tensor-parallel-size times greedy engine steps; {', '.join(unused)} "
+                          "apply to one rank's bench only")
+    print(PARALLEL_HEADER)
+    result = run_parallel_bench(args.model, args.device, args.dtype, args.batch_sizes, args.contexts, args.steps,
+                                args.tensor_parallel_size, fused_kernels=args.fused_kernels,
+                                dependent_launch=args.dependent_launch, quantization=args.quantization,
+                                kv_cache_dtype=args.kv_cache_dtype)
+    if args.json:
+        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
+            json.dump(result, f, indent=2)
     return 0

@@ -204,7 +204,7 @@ class BlockAllocator:
 
 class BlockTables:
     """Block tables and what they map positions to: the lookups of :class:`BlockManager`, which owns
-    the tables, and of a tensor-parallel rank's copy of the tables a step reads (``load``)."""
+    the tables, and of a tensor-parallel rank's copies of rank 0's tables (``update``, ``drop``)."""
 
     def __init__(self, block_size: int) -> None:
         if not isinstance(block_size, int) or block_size < 1:
@@ -223,14 +223,16 @@ class BlockTables:
         except KeyError:
             raise KeyError(f"sequence {seq_id} has no block table") from None
 
-    def snapshot(self, seq_ids) -> dict[int, tuple[list[int], int]]:
-        """Copies of the tables of ``seq_ids`` with their versions, for ``load``."""
-        return {seq_id: (list(self._table(seq_id)), self._versions[seq_id]) for seq_id in seq_ids}
+    def update(self, tables: dict[int, tuple[list[int], int]]) -> None:
+        """Take the given tables, each with its version (another holder's ``block_table`` and
+        ``table_version``), in place of any held for those sequences."""
+        for seq_id, (table, version) in tables.items():
+            self._tables[seq_id], self._versions[seq_id] = table, version
 
-    def load(self, snapshot: dict[int, tuple[list[int], int]]) -> None:
-        """Hold exactly the tables of ``snapshot`` (``BlockManager.snapshot``'s), versions included."""
-        self._tables = {seq_id: table for seq_id, (table, _) in snapshot.items()}
-        self._versions = {seq_id: version for seq_id, (_, version) in snapshot.items()}
+    def drop(self, seq_id: int) -> None:
+        """Forget a sequence's table (one taken by ``update``); nothing for one never held."""
+        self._tables.pop(seq_id, None)
+        self._versions.pop(seq_id, None)
 
     # ---- lookups ---------------------------------------------------------
 

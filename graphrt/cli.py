@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-p", type=float, default=1.0, help="every row's top-p (default 1: off)")
     bench.add_argument("--compare-unfused", action="store_true",
                        help="also time the graphs built with the unfused reference kernels (CUDA only)")
+    bench.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                       help="N > 1: the engine's steady decode steps over N ranks (B requests of each context, "
+                            "prefilled, then stepped; greedy), against the floor of one rank's bytes, with the NCCL "
+                            "kernels' share of rank 0's GPU time on CUDA (default 1: one rank's decode graphs)")
     bench.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", type=plot_file, metavar="FILE", help="write a PNG of ms/step against batch size")
 

@@ -735,6 +735,8 @@ class LLMEngine:
         """Drop a finished request's engine state (its blocks are already free)."""
         if self.drafter is not None:
             self.drafter.forget(seq)
+        if self.ranks is not None:  # the other ranks' copy of it
+            self.runner.forget(seq.seq_id)
         self._text_streams.pop(seq.seq_id, None)
         self._prompt_copies.pop(seq.seq_id, None)
         self._stop_strings.pop(seq.seq_id, None)

@@ -7,6 +7,7 @@ a rank that dies is reported, not waited for."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -190,6 +191,24 @@ def test_the_cli_starts_its_ranks_or_joins_torchrun():
                               capture_output=True, text=True, timeout=180)
     assert torchrun.returncode == 0, torchrun.stderr
     assert one.stdout.strip() and two.stdout == one.stdout == torchrun.stdout
+
+
+def test_bench_times_engine_steps_over_two_ranks(tmp_path):
+    """``graphrt bench --tensor-parallel-size 2`` prints and writes a row a point (no floor on the CPU);
+    options that only a one-rank bench has are refused by name."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "graphrt.cli", "bench", "--model", "random:tiny", "--device", "cpu",
+               "--tensor-parallel-size", "2", "--batch-sizes", "1,3", "--contexts", "20", "--steps", "3"]
+    done = subprocess.run([*command, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["tensor_parallel_size"] == 2
+    assert [(r["batch_size"], r["context"]) for r in result["rows"]] == [(1, 20), (3, 20)]
+    assert all(r["step_ms"] > 0 and r["floor_ms"] is None and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert "unfinished" not in done.stderr
+    refused = subprocess.run([*command, "--plot", str(tmp_path / "p.png")], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "--plot apply to one rank's bench only" in refused.stderr
 
 
 def test_checkpoint_tensors_of_the_wrong_full_shape_are_refused():
