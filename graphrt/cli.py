@@ -267,8 +267,9 @@ def _run_chat(args: argparse.Namespace) -> int:
             raise GraphrtError(f"model {args.model or 'default'!r} has no chat template to chat with")
         if interactive:
             print("graphrt chat: /reset clears the history, /exit quits", file=sys.stderr)
-        run_chat(llm, _turns(interactive), params, system=args.system, interactive=interactive)
-    return 0
+        _, refused = run_chat(llm, _turns(interactive), params, system=args.system, interactive=interactive)
+    # A transcript (stdin not a terminal) with a turn the model could not answer failed, as a script sees it.
+    return EXIT_REQUEST_ERROR if refused and not interactive else 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -318,15 +319,16 @@ def _turns(interactive: bool) -> Iterator[str]:
 
 
 def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=None, err=None,
-             interactive: bool = False) -> list[dict]:
+             interactive: bool = False) -> tuple[list[dict], int]:
     """The chat loop of ``graphrt chat``: each turn a user message, its answer streamed to ``out`` and kept
     in the history; ``/reset`` clears the history (the system prompt stays), ``/exit`` ends. A turn the
     model cannot answer (the conversation outgrew ``max_model_len``) is reported on ``err``, with the hint
     to ``/reset``, and left out of the history. ``interactive``: Ctrl-C during an answer stops that answer
-    (left out of the history) and the chat goes on. Returns the history."""
+    (left out of the history) and the chat goes on. Returns the history and how many turns were refused."""
     out, err = out or sys.stdout, err or sys.stderr
     opening = [{"role": "system", "content": system}] if system else []
     history = list(opening)
+    refused = 0
     for line in turns:
         text = line.strip()
         if not text:
@@ -353,10 +355,11 @@ def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=N
             print("graphrt: answer stopped; it is left out of the history", file=err)
             continue
         if final is not None and final.error is not None:
+            refused += 1
             print("graphrt: /reset starts a new conversation", file=err)
         elif final is not None:
             history = asked + [{"role": "assistant", "content": final.text}]
-    return history
+    return history, refused
 
 
 class StreamPrinter:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 from graphrt.base.errors import GraphrtError
@@ -120,6 +121,8 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} does not exist")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} is not writable")
     return text
 
 

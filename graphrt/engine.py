@@ -275,6 +275,7 @@ class LLMEngine:
         except ValueError as exc:  # e.g. a head size the attention backend cannot run
             raise ConfigError(f"cannot build {checkpoint.config.architecture}: {exc}") from None
         load_weights_into(model, checkpoint, progress=progress)
+        model.check_finite()
         return model.eval()
 
     def _build_draft_model(self, speculative, progress: bool) -> LlamaForCausalLM:

@@ -433,3 +433,28 @@ def test_a_refused_allocation_is_named_and_other_errors_pass_through():
     with pytest.raises(RuntimeError, match="shape mismatch"):
         with allocation_named("a KV cache", 1, torch.device("cpu"), "cpu", "lower it"):
             raise RuntimeError("shape mismatch")
+
+
+def test_weights_holding_nan_or_infinity_are_refused_by_name(tmp_path):
+    """A corrupt or overflowed tensor would make every logit NaN: the load names it instead."""
+    pytest.importorskip("transformers")
+    from random_checkpoints import write_random_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    write_random_checkpoint("llama3-rope-scaling", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 7] = float("nan")
+    tensors["model.norm.weight"][0] = float("inf")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"NaN or infinite values: layers\.1\.mlp\.down_proj\.weight, norm\.weight"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", progress=False)
+
+
+def test_fp8_codes_that_are_nan_are_refused_by_name():
+    with LLM("random:tiny", device="cpu", dtype="float32", quantization="fp8", progress=False) as llm:
+        model = llm.engine.model
+        model.check_finite()  # a clean model passes
+        codes = model.layers[0].self_attn.qkv_proj.weight
+        codes.view(torch.uint8)[5, 9] = 0xFF  # -NaN in E4M3FN
+        with pytest.raises(ModelLoadError, match=r"layers\.0\.self_attn\.qkv_proj\.weight"):
+            model.check_finite()

@@ -41,3 +41,17 @@ def test_bench_on_a_cuda_device_torch_does_not_see_is_refused_by_name(capsys):
     captured = capsys.readouterr()
     assert "device 'cuda' was asked for but torch sees no CUDA device" in captured.err
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_a_trace_in_a_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """(As root every folder passes ``os.access``; a user's read-only folder is stood in for.)"""
+    import os
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(folder) else real_access(path, mode))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--model", "random:tiny", "--device", "cpu", "--trace", str(folder / "t.json")])
+    assert exit_info.value.code == 2
+    assert f"the folder {str(folder)!r} is not writable" in capsys.readouterr().err

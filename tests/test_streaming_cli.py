@@ -95,6 +95,9 @@ def test_the_default_model_answers_stdin_in_chat_and_json_lines_carry_their_prom
     chatted = _graphrt("chat", "--device", "cpu", "--max-tokens", "24", stdin="What is the capital of France?\n/exit\n")
     assert chatted.returncode == 0 and "Paris" in chatted.stdout
     assert chatted.stdout.startswith("> What is the capital of France?\n") and chatted.stdout.count("\n") == 2
+    # A transcript whose turn the model could not answer (longer than --max-model-len) fails as a script sees it.
+    too_long = _graphrt("chat", "--device", "cpu", "--max-model-len", "64", stdin="word " * 100 + "\n")
+    assert too_long.returncode == 1 and "/reset starts a new conversation" in too_long.stderr
 
 
 @needs_default_model
@@ -105,7 +108,8 @@ def test_chat_keeps_the_history_streams_each_answer_and_resets():
     with LLM(dtype="float32", device="cpu", progress=False, max_model_len=256) as llm:
         out, err = io.StringIO(), io.StringIO()
         turns = ["What is the capital of France?", "", "And of Italy?", "/reset", "Hi", "/exit", "never asked"]
-        history = run_chat(llm, turns, params, system="You are a helpful assistant.", out=out, err=err)
+        history, refused = run_chat(llm, turns, params, system="You are a helpful assistant.", out=out, err=err)
+        assert refused == 0
         assert [m["role"] for m in history] == ["system", "user", "assistant"] and history[1]["content"] == "Hi"
         # Each answer is what chat() gives that conversation: the second turn saw the first, and its answer.
         first = [{"role": "system", "content": "You are a helpful assistant."},
@@ -120,5 +124,5 @@ def test_chat_keeps_the_history_streams_each_answer_and_resets():
         assert history[2]["content"] == answer3.text
         # A turn the cache cannot hold is reported and left out of the history.
         long_turn = "word " * 400
-        history = run_chat(llm, [long_turn], params, out=out, err=err)
-        assert history == [] and "turn 1:" in err.getvalue() and "/reset starts a new conversation" in err.getvalue()
+        history, refused = run_chat(llm, [long_turn], params, out=out, err=err)
+        assert history == [] and refused == 1 and "turn 1:" in err.getvalue() and "/reset starts a new conversation" in err.getvalue()

@@ -518,6 +518,26 @@ class LlamaForCausalLM(nn.Module):
         if stored_head is not None:
             self._untie_if_different(stored_head)
 
+    def check_finite(self) -> None:
+        """Raise ModelLoadError naming every parameter or buffer that holds a NaN or an infinity (FP8
+        codes: a NaN code), as a checkpoint's corrupt or overflowed tensor would: every logit after it
+        would be NaN. One pass over the weights, one host sync."""
+        names, checks = [], []
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if tensor.dtype == FP8_DTYPE:  # E4M3FN has no infinity; S.1111.111 is NaN
+                checks.append(((tensor.view(torch.uint8) & 0x7F) != 0x7F).all())
+            elif tensor.is_floating_point():
+                checks.append(torch.isfinite(tensor).all())
+            else:
+                continue
+            names.append(name)
+        if not checks:
+            return
+        bad = [name for name, finite in zip(names, torch.stack(checks).tolist()) if not finite]
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise ModelLoadError(f"the checkpoint's weights hold NaN or infinite values: {shown}")
+
     def _untie_if_different(self, head: torch.Tensor) -> None:
         """A config that ties the LM head to the embedding, over a checkpoint whose ``lm_head.weight``
         differs from it: the stored head is used, untied, as transformers does (with its warning)."""
