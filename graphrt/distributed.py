@@ -24,6 +24,7 @@ import atexit
 import datetime
 import logging
 import os
+import signal
 import socket
 import weakref
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: How long rank 0 waits for a started rank to exit once it has been told to close.
 _EXIT_WAIT_SECONDS = 60
+#: How long a failed start waits for a started rank's report of its own failure.
+_REPORT_WAIT_SECONDS = 5
 #: The step channel's timeout: long enough for any idle period between requests.
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -93,11 +96,13 @@ class RankGroup:
             raise GraphrtError(f"tensor-parallel rank(s) {', '.join(str(rank) for rank, _ in dead)} exited "
                                f"(exit code {dead[0][1]}){self._reported_error()}; close this engine")
 
-    def _reported_error(self) -> str:
+    def _reported_error(self, wait: float = 1.0) -> str:
+        """": " and what a started rank reported of its failure, waiting up to ``wait`` seconds for it
+        (a rank that failed may still be on its way out); "" for nothing."""
         if self.errors is None:
             return ""
         try:
-            return ": " + self.errors.get(timeout=1)
+            return ": " + self.errors.get(timeout=wait)
         except Exception:  # nothing reported (killed, say)
             return ""
 
@@ -108,7 +113,7 @@ class RankGroup:
         if self.closed:
             return ""
         self.closed = True
-        reported = self._reported_error() if any(not p.is_alive() for p in self.processes) else ""
+        reported = self._reported_error(wait=_REPORT_WAIT_SECONDS) if self.processes else ""
         for process in self.processes:
             process.terminate()
             process.join(_EXIT_WAIT_SECONDS)
@@ -239,7 +244,10 @@ def _group(rank: int, size: int, owns_default_group: bool) -> RankGroup:
 
 
 def _serve_rank(config, rank: int, size: int, init_method: str, errors) -> None:
-    """A started rank's process: join the groups, build the engine, serve rank 0's steps until it closes."""
+    """A started rank's process: join the groups, build the engine, serve rank 0's steps until it closes.
+    Ctrl-C reaches every process of the terminal's group: rank 0 takes it (its engine closes the ranks),
+    so this one ignores it rather than die under rank 0's feet."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch.distributed as dist
 
