@@ -59,6 +59,10 @@ class RankGroup:
     owns_default_group: bool = False
     #: Whether torchrun started this process (not graphrt).
     launched_by_torchrun: bool = False
+    #: Rank 0: set while a relayed call is under way, left set when one was interrupted (Ctrl-C, a failed
+    #: rank): the others may then wait inside a forward this rank abandoned, so no message can reach
+    #: them, and close stops the processes instead.
+    out_of_step: bool = False
     closed: bool = False
 
     @property
@@ -66,9 +70,13 @@ class RankGroup:
         """Rank 0: it schedules, the others follow its steps."""
         return self.rank == 0
 
-    def send(self, message: tuple) -> None:
-        """Rank 0: send ``message`` to every other rank (they ``receive`` it in the same order)."""
+    def send(self, message: tuple, within_step: bool = False) -> None:
+        """Rank 0: send ``message`` to every other rank (they ``receive`` it in the same order).
+        ``within_step``: the message opens a relayed call, which has set ``out_of_step`` already."""
         self._check_ranks_alive()
+        if self.out_of_step and not within_step:
+            raise GraphrtError("a step of this tensor-parallel engine was interrupted (Ctrl-C or a failed rank), "
+                               "so its ranks are out of step; close this engine and build a new one")
         import torch.distributed as dist
 
         dist.broadcast_object_list([message], src=0, group=self.channel, device=torch.device("cpu"))
@@ -90,21 +98,25 @@ class RankGroup:
         return int(tensor.item())
 
     def _check_ranks_alive(self) -> None:
-        dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
-                if not process.is_alive()]
-        if dead:
-            raise GraphrtError(f"tensor-parallel rank(s) {', '.join(str(rank) for rank, _ in dead)} exited "
-                               f"(exit code {dead[0][1]}){self._reported_error()}; close this engine")
+        failed = self.failed_rank()
+        if failed:
+            self.out_of_step = True
+            raise GraphrtError(f"{failed}; close this engine")
 
     def _reported_error(self, wait: float = 1.0) -> str:
         """": " and what a started rank reported of its failure, waiting up to ``wait`` seconds for it
         (a rank that failed may still be on its way out); "" for nothing."""
-        if self.errors is None:
-            return ""
-        try:
-            return ": " + self.errors.get(timeout=wait)
-        except Exception:  # nothing reported (killed, say)
-            return ""
+        return _failure_report(self.errors, wait)
+
+    def failed_rank(self) -> str | None:
+        """Rank 0: a sentence naming the started ranks that exited, with what they reported; None while
+        all run."""
+        dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
+                if not process.is_alive()]
+        if not dead:
+            return None
+        return (f"tensor-parallel rank(s) {', '.join(str(rank) for rank, _ in dead)} exited (exit code "
+                f"{dead[0][1]}){self._reported_error()}")
 
     def abandon(self) -> str:
         """After a failed start: stop the processes this rank started (they may be anywhere in their own
@@ -134,10 +146,12 @@ class RankGroup:
             return
         self.closed = True
         try:
-            if self.is_driver and all(process.is_alive() for process in self.processes):
+            if self.is_driver and not self.out_of_step and all(process.is_alive() for process in self.processes):
                 self.send(("close",))
         finally:
             for process in self.processes:
+                if self.out_of_step:  # nothing reaches them: they may wait inside an abandoned forward
+                    process.terminate()
                 process.join(_EXIT_WAIT_SECONDS)
                 if process.is_alive():
                     logger.warning("tensor-parallel rank process %d did not exit; terminating it", process.pid)
@@ -164,6 +178,12 @@ def under_torchrun(size: int) -> bool:
         raise ConfigError(f"tensor_parallel_size {size} under torchrun with WORLD_SIZE {world}: start as many "
                           "processes as ranks (torchrun --nproc-per-node N)")
     return True
+
+
+def share_cpu_threads(size: int) -> None:
+    """On the CPU each rank computes with its share of the cores (torch's default, every core in each
+    rank, oversubscribed them: several times slower)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -194,24 +214,30 @@ def start_ranks(config, device: torch.device) -> RankGroup:
             dist.init_process_group(_backend(device))
         group = _group(rank, size, owns_default_group=owns)
         group.launched_by_torchrun = True
+        if group.is_driver:  # a script that ends without closing: the other ranks still leave their loop
+            _close_at_exit(group)
         return group
     import torch.multiprocessing as mp
 
     if dist.is_initialized():
-        raise ConfigError("tensor_parallel_size > 1 with a torch.distributed group already set up in this "
-                          "process (outside torchrun): graphrt starts its own ranks")
+        raise ConfigError("tensor_parallel_size > 1 while this process already has a torch.distributed group "
+                          "(another tensor-parallel engine still open, or one set up outside torchrun): a process "
+                          "holds one tensor-parallel engine at a time; close the other first")
     context = mp.get_context("spawn")
-    errors = context.Queue()
+    errors, joining = context.Queue(), context.Queue()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     processes = []
     for rank in range(1, size):
-        process = context.Process(target=_serve_rank, args=(config, rank, size, init_method, errors), daemon=True,
-                                  name=f"graphrt-rank-{rank}")
+        process = context.Process(target=_serve_rank, args=(config, rank, size, init_method, errors, joining),
+                                  daemon=True, name=f"graphrt-rank-{rank}")
         process.start()
         processes.append(process)
     try:
+        _wait_until_joining(processes, joining, errors)
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device, 0, size))
+        else:
+            share_cpu_threads(size)
         dist.init_process_group(_backend(device), init_method=init_method, rank=0, world_size=size)
         group = _group(0, size, owns_default_group=True)
     except BaseException:
@@ -221,6 +247,36 @@ def start_ranks(config, device: torch.device) -> RankGroup:
     group.processes, group.errors = processes, errors
     _close_at_exit(group)
     return group
+
+
+def _failure_report(errors, wait: float) -> str:
+    if errors is None:
+        return ""
+    try:
+        return ": " + errors.get(timeout=wait)
+    except Exception:  # nothing reported (killed, say)
+        return ""
+
+
+def _wait_until_joining(processes: list, joining, errors) -> None:
+    """Rank 0, before it waits in the process group's rendezvous: wait until every started rank is about
+    to join it, raising GraphrtError for one that exits first (its rendezvous would wait for it for
+    half an hour)."""
+    waiting = set(range(1, len(processes) + 1))
+    while waiting:
+        try:
+            waiting.discard(joining.get(timeout=0.2))
+            continue
+        except Exception:  # none arrived: check the processes
+            pass
+        for rank in sorted(waiting):
+            process = processes[rank - 1]
+            if not process.is_alive():
+                reported = _failure_report(errors, _REPORT_WAIT_SECONDS)
+                raise GraphrtError(
+                    f"tensor-parallel rank {rank}'s process exited (code {process.exitcode}) before joining"
+                    f"{reported or ''}. Its process imports the main script: a script that builds a "
+                    "tensor-parallel engine needs the `if __name__ == \"__main__\":` guard")
 
 
 def _close_at_exit(group: RankGroup) -> None:
@@ -243,7 +299,7 @@ def _group(rank: int, size: int, owns_default_group: bool) -> RankGroup:
                      owns_default_group=owns_default_group)
 
 
-def _serve_rank(config, rank: int, size: int, init_method: str, errors) -> None:
+def _serve_rank(config, rank: int, size: int, init_method: str, errors, joining) -> None:
     """A started rank's process: join the groups, build the engine, serve rank 0's steps until it closes.
     Ctrl-C reaches every process of the terminal's group: rank 0 takes it (its engine closes the ranks),
     so this one ignores it rather than die under rank 0's feet."""
@@ -256,6 +312,9 @@ def _serve_rank(config, rank: int, size: int, init_method: str, errors) -> None:
         device = resolve_device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device, rank, size))
+        else:
+            share_cpu_threads(size)
+        joining.put(rank)
         dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=size)
         group = _group(rank, size, owns_default_group=True)
         from graphrt.engine import LLMEngine

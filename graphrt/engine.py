@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import numbers
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -111,6 +112,10 @@ class LLMEngine:
             checkpoint = open_checkpoint(config.model, **config.loader_options)
             #: The checkpoint's model (with tensor parallelism each rank runs a slice of it: ``model.config``).
             self.model_config: ModelConfig = checkpoint.config
+            if config.tensor_parallel_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                logger.warning("WORLD_SIZE is %s but tensor_parallel_size is 1: each of the processes runs a whole "
+                               "engine of its own (--tensor-parallel-size %s splits the model over them)",
+                               os.environ["WORLD_SIZE"], os.environ["WORLD_SIZE"])
             if config.tensor_parallel_size > 1:
                 check_divides(self.model_config, config.tensor_parallel_size)
                 if self.ranks is None:

@@ -301,6 +301,7 @@ def main(args) -> int:
                        "num_kv_blocks": engine.block_manager.allocator.num_blocks,
                        "max_num_batched_tokens": engine.max_num_batched_tokens,
                        "mixed_step_tokens": args.mixed_step_tokens, "prompt_graphs": prompt_graphs,
+                       "tensor_parallel_size": args.tensor_parallel_size,
                        "decode_graphs": decode_graphs,
                        **summary}, f, indent=2)
     if args.plot:

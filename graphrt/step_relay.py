@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrt.base.errors import GraphrtError
 from graphrt.block_manager import BlockManager, BlockTables
 from graphrt.distributed import RankGroup
 from graphrt.model_runner import ModelRunner
@@ -81,24 +82,42 @@ class RelayingRunner:
         args = tuple(_SequenceIds(tuple(seq.seq_id for seq in arg)) if isinstance(arg, list) and arg
                      and isinstance(arg[0], Sequence) else arg for arg in args)
         forgotten, self._forgotten = self._forgotten, []
-        self._ranks.send(("run", method, args, kwargs, updates, tables, forgotten))
+        self._ranks.send(("run", method, args, kwargs, updates, tables, forgotten), within_step=True)
+
+    def _in_step(self, method: str, args: tuple, kwargs: dict, run):
+        """Relay the call, then ``run()`` it here. Until both return the ranks count as out of step
+        (``RankGroup.out_of_step``), which an interruption leaves them; a collective broken by a rank that
+        exited is reported as that rank's failure."""
+        ranks = self._ranks
+        if ranks.out_of_step:
+            ranks.send(("run",))  # refuses, naming why
+        ranks.out_of_step = True
+        try:
+            self._relay(method, args, kwargs)
+            result = run()
+        except RuntimeError as error:  # gloo / NCCL: a peer went away
+            failed = ranks.failed_rank()
+            if failed is None:
+                raise
+            raise GraphrtError(f"{failed}; close this engine") from error
+        ranks.out_of_step = False
+        return result
 
     def execute(self, prefills: list[Sequence], decodes: list[Sequence], prefill_tokens: list[int] | None = None):
-        self._relay("execute", (prefills, decodes, prefill_tokens), {})
-        return self._runner.execute(prefills, decodes, prefill_tokens)
+        return self._in_step("execute", (prefills, decodes, prefill_tokens), {},
+                             lambda: self._runner.execute(prefills, decodes, prefill_tokens))
 
     def verify(self, decodes: list[Sequence], drafts: list[list[int]]):
-        self._relay("verify", (decodes, drafts), {})
-        return self._runner.verify(decodes, drafts)
+        return self._in_step("verify", (decodes, drafts), {}, lambda: self._runner.verify(decodes, drafts))
 
     def launch_decode(self, decodes: list[Sequence], ahead_from: list[int] | None = None):
-        self._relay("launch_decode", (decodes,), {"ahead_from": ahead_from})
-        return self._runner.launch_decode(decodes, ahead_from=ahead_from)
+        return self._in_step("launch_decode", (decodes,), {"ahead_from": ahead_from},
+                             lambda: self._runner.launch_decode(decodes, ahead_from=ahead_from))
 
     def launch_chunks(self, prefills: list[Sequence], lengths: list[int], decodes: list[Sequence],
                       ahead_from: list[int] | None = None):
-        self._relay("launch_chunks", (prefills, lengths, decodes), {"ahead_from": ahead_from})
-        return self._runner.launch_chunks(prefills, lengths, decodes, ahead_from=ahead_from)
+        return self._in_step("launch_chunks", (prefills, lengths, decodes), {"ahead_from": ahead_from},
+                             lambda: self._runner.launch_chunks(prefills, lengths, decodes, ahead_from=ahead_from))
 
     def copy_swaps(self, swap_space: SwapSpace, swap_in: list[tuple[int, int]],
                    swap_out: list[tuple[int, int]]) -> None:

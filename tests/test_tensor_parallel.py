@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -174,6 +175,60 @@ def test_a_rank_that_exits_is_reported():
     finally:
         llm.close()
     assert not process.is_alive()
+
+
+def test_an_interrupted_step_leaves_the_engine_refusing_and_closing_at_once():
+    """Ctrl-C on rank 0 between relaying a step and running it (the other ranks then wait inside a
+    forward rank 0 abandoned): later steps are refused by name and close stops the ranks instead of
+    messaging them (it had waited for ever)."""
+    llm = LLM("random:tiny", dtype="float32", device="cpu", tensor_parallel_size=2, progress=False)
+    process = llm.engine.ranks.processes[0]
+    try:
+        local = llm.engine.runner._runner
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        local.execute = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+        with pytest.raises(GraphrtError, match="ranks are out of step; close this engine"):
+            llm.engine.runner.execute([], [])
+    finally:
+        started = time.monotonic()
+        llm.close()
+    assert time.monotonic() - started < 20 and not process.is_alive()
+
+
+SCRIPT_WITHOUT_GUARD = """
+from graphrt import LLM
+LLM("random:tiny", device="cpu", tensor_parallel_size=2, progress=False)
+"""
+
+TORCHRUN_SCRIPT_WITHOUT_CLOSE = """
+from graphrt import LLM, SamplingParams
+llm = LLM("random:tiny", device="cpu", dtype="float32", tensor_parallel_size=2, progress=False)
+print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_so(tmp_path):
+    """Its spawned rank re-runs the script and fails before joining; rank 0 names the cause instead of
+    waiting in the rendezvous (half an hour)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(SCRIPT_WITHOUT_GUARD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "needs the `if __name__ == \"__main__\":` guard" in done.stderr
+
+
+def test_a_torchrun_script_that_never_closes_exits_cleanly(tmp_path):
+    script = tmp_path / "no_close.py"
+    script.write_text(TORCHRUN_SCRIPT_WITHOUT_CLOSE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("[") == 1  # rank 0 printed; rank 1 served and exited
 
 
 def test_the_cli_starts_its_ranks_or_joins_torchrun():
