@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(chat, "answer")
     chat.add_argument("--max-model-len", type=positive_int, default=None,
                       help="longest conversation in tokens (default: the model's)")
+    chat.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                      help="split the model over N ranks, as for generate (default 1)")
 
     serve = commands.add_parser(
         "serve", parents=[common], help="an OpenAI-compatible HTTP server (completions, chat, streaming)",
@@ -262,7 +264,7 @@ def _run_chat(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed)
     interactive = sys.stdin.isatty()
     with LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1,
-             **kernel_options(args)) as llm:
+             tensor_parallel_size=args.tensor_parallel_size, **kernel_options(args)) as llm:
         if llm.tokenizer is None or llm.tokenizer.chat_template is None:
             raise GraphrtError(f"model {args.model or 'default'!r} has no chat template to chat with")
         if interactive:

@@ -95,6 +95,9 @@ def test_the_default_model_answers_stdin_in_chat_and_json_lines_carry_their_prom
     chatted = _graphrt("chat", "--device", "cpu", "--max-tokens", "24", stdin="What is the capital of France?\n/exit\n")
     assert chatted.returncode == 0 and "Paris" in chatted.stdout
     assert chatted.stdout.startswith("> What is the capital of France?\n") and chatted.stdout.count("\n") == 2
+    over_three_ranks = _graphrt("chat", "--device", "cpu", "--max-tokens", "24", "--tensor-parallel-size", "3",
+                                stdin="What is the capital of France?\n")
+    assert over_three_ranks.returncode == 0 and over_three_ranks.stdout == chatted.stdout, over_three_ranks.stderr
     # A transcript whose turn the model could not answer (longer than --max-model-len) fails as a script sees it.
     too_long = _graphrt("chat", "--device", "cpu", "--max-model-len", "64", stdin="word " * 100 + "\n")
     assert too_long.returncode == 1 and "/reset starts a new conversation" in too_long.stderr

@@ -266,6 +266,13 @@ def test_bench_times_engine_steps_over_two_ranks(tmp_path):
     assert refused.returncode != 0 and "--plot apply to one rank's bench only" in refused.stderr
 
 
+def test_every_engine_command_takes_tensor_parallel_size():
+    from graphrt.cli import build_parser
+
+    for command in ("generate", "chat", "serve", "bench", "bench-serving"):
+        assert build_parser().parse_args([command, "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
 def test_checkpoint_tensors_of_the_wrong_full_shape_are_refused():
     """A rank cuts its slice out of a checkpoint tensor only when the tensor has the full model's
     extent along the cut (a slice of a wrong one could otherwise pass the part's shape check)."""
