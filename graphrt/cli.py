@@ -299,7 +299,15 @@ def _run_serve(args: argparse.Namespace) -> int:
             server.wait()
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            server.stop()
+            # A second Ctrl-C while stopping would close the engine under the engine thread's running step
+            # (it failed the open streams, and over several ranks hung), or interrupt the close; stopping and
+            # closing are bounded (about a minute each at most).
+            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                server.stop()
+                llm.close()
+            finally:
+                signal.signal(signal.SIGINT, interrupt)
     return 0
 
 

@@ -609,6 +609,54 @@ def test_graphrt_serve_answers_and_stops_on_ctrl_c_or_sigterm(tmp_path, stop_sig
         process.stderr.close()
 
 
+def test_a_second_ctrl_c_while_stopping_does_not_close_the_engine_under_its_step(tmp_path):
+    """Ctrl-C, then Ctrl-C again while open streams are ending: the second is ignored (it had closed the
+    engine under the engine thread's running step: the streams failed with an AttributeError and the
+    command exited 130)."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    command = [sys.executable, "-m", "graphrt.cli", "serve", "--port", "0", "--dtype", "float32", "--device", "cpu",
+               "--max-model-len", "512"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops" not in line and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "graphrt serve exited before listening"
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT)
+        ended: list[str] = []
+
+        def stream() -> None:
+            try:
+                for _ in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                   temperature=0, stream=True):
+                    pass
+                ended.append("finished")
+            except Exception as error:  # the server's error event, or the connection closing
+                ended.append(str(error))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(3)  # streaming
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(90) == 0
+        reader.join(30)
+        assert ended and "AttributeError" not in ended[0]
+        assert "AttributeError" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+
+
 @pytest.mark.parametrize("option", [["--timeout", "0"], ["--timeout", "inf"], ["--port", "-1"], ["--port", "70000"],
                                     ["--max-body-bytes", "0"], ["--max-queued-requests", "x"]])
 def test_graphrt_serve_refuses_bad_options(option, capsys):
