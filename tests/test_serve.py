@@ -580,23 +580,32 @@ def test_server_limits_refuse_bad_values(field, value):
 # -- the command --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
-def test_graphrt_serve_answers_and_stops_on_ctrl_c_or_sigterm(tmp_path, stop_signal):
+def _start_serve(folder, *options: str):
+    """``graphrt serve`` on a free port (CPU, float32) in a process of its own, once it listens: the
+    process, the line that names its address, and the address."""
     import re
-    import signal
     import subprocess
     import sys
 
     command = [sys.executable, "-m", "graphrt.cli", "serve", "--port", "0", "--dtype", "float32", "--device", "cpu",
-               "--max-model-len", "256", "--api-key", KEY]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+               *options]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=folder)
+    line = ""
+    deadline = time.monotonic() + 120
+    while "Ctrl-C stops" not in line and time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            process.stderr.close()
+            raise AssertionError("graphrt serve exited before listening")
+    return process, line, re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_graphrt_serve_answers_and_stops_on_ctrl_c_or_sigterm(tmp_path, stop_signal):
+    import signal
+
+    process, line, url = _start_serve(tmp_path, "--max-model-len", "256", "--api-key", KEY)
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in line and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line or process.poll() is None, "graphrt serve exited before listening"
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
         assert "API key required" in line and not url.endswith(":0")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
         reply = client.chat.completions.create(model=MODEL, messages=QUESTION[1:], max_tokens=12, temperature=0)
@@ -613,22 +622,11 @@ def test_a_second_ctrl_c_while_stopping_does_not_close_the_engine_under_its_step
     """Ctrl-C, then Ctrl-C again while open streams are ending: the second is ignored (it had closed the
     engine under the engine thread's running step: the streams failed with an AttributeError and the
     command exited 130)."""
-    import re
     import signal
-    import subprocess
-    import sys
     import threading
 
-    command = [sys.executable, "-m", "graphrt.cli", "serve", "--port", "0", "--dtype", "float32", "--device", "cpu",
-               "--max-model-len", "512"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    process, _, url = _start_serve(tmp_path, "--max-model-len", "512")
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in line and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line or process.poll() is None, "graphrt serve exited before listening"
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT)
         ended: list[str] = []
 
