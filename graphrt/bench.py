@@ -17,7 +17,6 @@ sequence (its newest token and q - 1 drafts), B x q rows in one graph; the floor
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphrt.base.errors import ConfigError
-from graphrt.base.files import replaced_when_done
+from graphrt.base.files import replaced_when_done, write_json
 from graphrt.config import resolve_device, resolve_dtype
 from graphrt.engine import LLMEngine
 from graphrt.sampling.params import SamplingParams
@@ -275,7 +274,7 @@ HEADER = (f"{'batch':>5} {'ctx':>6} {'q':>2} {'eager ms':>9} {'graph ms':>9} {'s
           f"{'tok/s':>10} {'capture s':>9} {'pool MiB':>8}")
 
 
-def _fmt(value, spec: str) -> str:
+def format_optional(value, spec: str) -> str:
     """``value`` formatted by ``spec`` (e.g. ">9.3f"), or a dash of the same width when absent."""
     return format("-", spec.split(".")[0]) if value is None else format(value, spec)
 
@@ -283,11 +282,11 @@ def _fmt(value, spec: str) -> str:
 def format_row(r: BenchRow) -> str:
     """One table line; ``pipe`` is the pipelined step, ``unfused`` the unfused graph's end-to-end ms
     (with compare_unfused)."""
-    return (f"{r.batch_size:>5} {r.context:>6} {r.query_tokens:>2} {r.eager_ms:>9.3f} {_fmt(r.graph_ms, '>9.3f')} "
-            f"{_fmt(r.speedup, '>7.2f')} {_fmt(r.replay_ms, '>9.3f')} {_fmt(r.pipelined_ms, '>8.3f')} "
-            f"{_fmt(r.floor_ms, '>9.3f')} {_fmt(r.ratio_to_floor, '>7.2f')} {_fmt(r.replay_ratio_to_floor, '>8.2f')} "
-            f"{_fmt(r.pipelined_ratio_to_floor, '>6.2f')} {_fmt(r.unfused_graph_ms, '>9.3f')} "
-            f"{r.tokens_per_s:>10.1f} {_fmt(r.capture_seconds, '>9.2f')} {_fmt(r.pool_mib, '>8.1f')}")
+    return (f"{r.batch_size:>5} {r.context:>6} {r.query_tokens:>2} {r.eager_ms:>9.3f} {format_optional(r.graph_ms, '>9.3f')} "
+            f"{format_optional(r.speedup, '>7.2f')} {format_optional(r.replay_ms, '>9.3f')} {format_optional(r.pipelined_ms, '>8.3f')} "
+            f"{format_optional(r.floor_ms, '>9.3f')} {format_optional(r.ratio_to_floor, '>7.2f')} {format_optional(r.replay_ratio_to_floor, '>8.2f')} "
+            f"{format_optional(r.pipelined_ratio_to_floor, '>6.2f')} {format_optional(r.unfused_graph_ms, '>9.3f')} "
+            f"{r.tokens_per_s:>10.1f} {format_optional(r.capture_seconds, '>9.2f')} {format_optional(r.pool_mib, '>8.1f')}")
 
 
 def write_plot(result: dict, path: str) -> None:
@@ -339,8 +338,7 @@ def main(args) -> int:
                        compare_unfused=args.compare_unfused, params=params, quantization=args.quantization,
                        kv_cache_dtype=args.kv_cache_dtype, query_tokens=args.query_tokens)
     if args.json:
-        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     if args.plot:
         write_plot(result, args.plot)
     return 0
@@ -363,6 +361,5 @@ def _main_parallel(args) -> int:
                                 dependent_launch=args.dependent_launch, quantization=args.quantization,
                                 kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
-        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rows a sequence decodes a step, each value a point: q > 1 times a speculative verify "
                             "step (the newest token and q - 1 drafts; tok/s then counts every row, as if every "
                             "draft were kept); default 1")
-    bench.add_argument("--steps", type=positive_int, default=30, help="timed decode steps per point (median; default 30)")
+    bench.add_argument("--steps", type=positive_int, default=30,
+                       help="timed decode steps per point (median; default 30)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="every row's sampling temperature (default 0: greedy)")
     bench.add_argument("--top-k", type=int, default=0, help="every row's top-k (default 0: off)")

@@ -103,11 +103,6 @@ class RankGroup:
             self.out_of_step = True
             raise GraphrtError(f"{failed}; close this engine")
 
-    def _reported_error(self, wait: float = 1.0) -> str:
-        """": " and what a started rank reported of its failure, waiting up to ``wait`` seconds for it
-        (a rank that failed may still be on its way out); "" for nothing."""
-        return _failure_report(self.errors, wait)
-
     def failed_rank(self) -> str | None:
         """Rank 0: a sentence naming the started ranks that exited, with what they reported; None while
         all run."""
@@ -116,7 +111,7 @@ class RankGroup:
         if not dead:
             return None
         return (f"tensor-parallel rank(s) {', '.join(str(rank) for rank, _ in dead)} exited (exit code "
-                f"{dead[0][1]}){self._reported_error()}")
+                f"{dead[0][1]}){_failure_report(self.errors, 1.0)}")
 
     def abandon(self) -> str:
         """After a failed start: stop the processes this rank started (they may be anywhere in their own
@@ -125,7 +120,7 @@ class RankGroup:
         if self.closed:
             return ""
         self.closed = True
-        reported = self._reported_error(wait=_REPORT_WAIT_SECONDS) if self.processes else ""
+        reported = _failure_report(self.errors, _REPORT_WAIT_SECONDS) if self.processes else ""
         for process in self.processes:
             process.terminate()
             process.join(_EXIT_WAIT_SECONDS)
@@ -250,6 +245,8 @@ def start_ranks(config, device: torch.device) -> RankGroup:
 
 
 def _failure_report(errors, wait: float) -> str:
+    """": " and what a started rank reported of its failure on ``errors``, waiting up to ``wait`` seconds
+    for it (a rank that failed may still be on its way out); "" for nothing."""
     if errors is None:
         return ""
     try:

@@ -91,10 +91,10 @@ class LLMEngine:
             self._build(config, progress)
         except BaseException as error:
             reported = self.ranks.abandon() if self.ranks is not None else ""
-            if reported and not isinstance(error, GraphrtError):  # this rank's error: the connection to the one that failed
+            if reported and not isinstance(error, GraphrtError):  # this one's: the broken connection to that rank
                 raise GraphrtError(f"a tensor-parallel rank failed to start: {reported}") from error
             raise
-        if self.ranks is not None and not self.ranks.is_driver:
+        if not self.is_driver:
             try:
                 follow_steps(self.runner, self.swap_space, self.ranks)
             finally:
@@ -450,11 +450,8 @@ class LLMEngine:
     def _run_scheduled(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         if scheduled.swap_in or scheduled.swap_out:
             try:
-                with nvtx.range("swap"):
-                    if self.ranks is not None:  # every rank copies its own cache's blocks
-                        self.runner.copy_swaps(self.swap_space, scheduled.swap_in, scheduled.swap_out)
-                    else:
-                        self.swap_space.copy(self.runner.kv_caches, scheduled.swap_in, scheduled.swap_out)
+                with nvtx.range("swap"):  # over several ranks each copies its own cache's blocks
+                    self.runner.copy_swaps(self.swap_space, scheduled.swap_in, scheduled.swap_out)
             except BaseException:
                 # Blocks a copy may not have filled: their sequences are recomputed instead.
                 self.scheduler.abandon_swaps(scheduled)

@@ -119,6 +119,11 @@ class ModelRunner:
                 seq.num_computed_tokens = seq.num_tokens
         return tokens, logprobs
 
+    def copy_swaps(self, swap_space, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
+        """A step's swap copies between this runner's KV cache and ``swap_space`` (a ``SwapSpace``):
+        ``swap_in`` (host, device) pairs, then ``swap_out`` (device, host) pairs."""
+        swap_space.copy(self.kv_caches, swap_in, swap_out)
+
     def verify(self, decodes: list[Sequence], drafts: list[list[int]]
                ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """One decode step over each sequence's newest token and its draft (``graphrt.speculative.drafting``:

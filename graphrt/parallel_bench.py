@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphrt.base.errors import ConfigError
-from graphrt.bench import kv_bytes_read, measure_read_bandwidth, weight_bytes_read
+from graphrt.bench import format_optional, kv_bytes_read, measure_read_bandwidth, weight_bytes_read
 from graphrt.config import EngineConfig, resolve_device, resolve_dtype
 from graphrt.engine import LLMEngine
 from graphrt.sampling.params import SamplingParams
+from graphrt.workload import BLOCK_SIZE
 
 #: Steps run before timing (prefill done, graphs warm, pipelining settled).
 _WARMUP_STEPS = 5
@@ -47,7 +48,7 @@ def _steady_engine(model: str, device: str, dtype: str, batch_size: int, context
     length = context + _WARMUP_STEPS + steps + _PROFILED_STEPS + 2
     config = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=length,
                           capture_sizes=[batch_size], enable_prefix_caching=False, tensor_parallel_size=size,
-                          num_kv_blocks=batch_size * -(-length // 16) + 1, block_size=16, **options)
+                          num_kv_blocks=batch_size * -(-length // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, **options)
     return LLMEngine(config, progress=False)
 
 
@@ -139,8 +140,6 @@ PARALLEL_HEADER = (f"{'batch':>5} {'ctx':>6} {'ranks':>5} {'step ms':>9} {'floor
 
 
 def format_parallel_row(r: ParallelBenchRow) -> str:
-    dash = "-"
     return (f"{r.batch_size:>5} {r.context:>6} {r.tensor_parallel_size:>5} {r.step_ms:>9.3f} "
-            f"{dash if r.floor_ms is None else format(r.floor_ms, '>9.3f'):>9} "
-            f"{dash if r.ratio_to_floor is None else format(r.ratio_to_floor, '>7.2f'):>7} {r.tokens_per_s:>10.1f} "
-            f"{dash if r.collective_share is None else format(r.collective_share, '>10.1%'):>10}")
+            f"{format_optional(r.floor_ms, '>9.3f')} {format_optional(r.ratio_to_floor, '>7.2f')} "
+            f"{r.tokens_per_s:>10.1f} {format_optional(r.collective_share, '>10.1%')}")

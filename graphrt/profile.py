@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from graphrt.base.errors import ConfigError
-from graphrt.base.files import replaced_when_done
+from graphrt.base.files import write_json
 from graphrt.base.native_stderr import filtered_native_stderr, kineto_notice
 from graphrt.workload import decode_workload, synchronize
 
@@ -644,6 +644,5 @@ def main(args) -> int:
     )
     print(format_breakdown(result), flush=True)
     if args.json:
-        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0

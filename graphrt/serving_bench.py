@@ -22,7 +22,6 @@ counted.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -30,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from graphrt.base.errors import ConfigError
-from graphrt.base.files import replaced_when_done
+from graphrt.base.files import replaced_when_done, write_json
 from graphrt.sampling.params import SamplingParams
 
 
@@ -292,18 +291,17 @@ def main(args) -> int:
     summary = summarize(timings, duration, hit_rate, running)
     print(format_summary(summary))
     if args.json:
-        with replaced_when_done(args.json) as partial, open(partial, "w") as f:
-            load = asdict(spec) | ({"rate": "inf"} if math.isinf(spec.rate) else {})  # JSON has no infinity
-            json.dump({"model": args.model, "device": str(device), "load": load,
-                       "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
-                       "enable_chunked_prefill": args.enable_chunked_prefill,
-                       "enable_prefix_caching": args.enable_prefix_caching, "swap_space_mib": args.swap_space_mib,
-                       "num_kv_blocks": engine.block_manager.allocator.num_blocks,
-                       "max_num_batched_tokens": engine.max_num_batched_tokens,
-                       "mixed_step_tokens": args.mixed_step_tokens, "prompt_graphs": prompt_graphs,
-                       "tensor_parallel_size": args.tensor_parallel_size,
-                       "decode_graphs": decode_graphs,
-                       **summary}, f, indent=2)
+        load = asdict(spec) | ({"rate": "inf"} if math.isinf(spec.rate) else {})  # JSON has no infinity
+        write_json(args.json, {"model": args.model, "device": str(device), "load": load,
+                               "max_num_seqs": args.max_num_seqs, "speculative": args.speculative,
+                               "enable_chunked_prefill": args.enable_chunked_prefill,
+                               "enable_prefix_caching": args.enable_prefix_caching,
+                               "swap_space_mib": args.swap_space_mib,
+                               "num_kv_blocks": engine.block_manager.allocator.num_blocks,
+                               "max_num_batched_tokens": engine.max_num_batched_tokens,
+                               "mixed_step_tokens": args.mixed_step_tokens, "prompt_graphs": prompt_graphs,
+                               "tensor_parallel_size": args.tensor_parallel_size,
+                               "decode_graphs": decode_graphs, **summary})
     if args.plot:
         rate = "offline" if math.isinf(spec.rate) else f"{spec.rate:g} req/s"
         write_plot(timings, args.plot, f"{args.model}: {rate}, {spec.num_requests} requests")

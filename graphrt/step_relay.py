@@ -121,9 +121,9 @@ class RelayingRunner:
 
     def copy_swaps(self, swap_space: SwapSpace, swap_in: list[tuple[int, int]],
                    swap_out: list[tuple[int, int]]) -> None:
-        """``swap_space.copy`` of a step's block copies here and on every other rank (each its own cache)."""
+        """``ModelRunner.copy_swaps`` here and on every other rank (each its own cache)."""
         self._ranks.send(("swap", swap_in, swap_out))
-        swap_space.copy(self._runner.kv_caches, swap_in, swap_out)
+        self._runner.copy_swaps(swap_space, swap_in, swap_out)
 
 
 _RUNNABLE = ("execute", "verify", "launch_decode", "launch_chunks")
@@ -141,7 +141,7 @@ def follow_steps(runner: ModelRunner, swap_space: SwapSpace | None, ranks: RankG
         if kind == "close":
             return
         if kind == "swap":
-            swap_space.copy(runner.kv_caches, message[1], message[2])
+            runner.copy_swaps(swap_space, message[1], message[2])
             continue
         if kind != "run" or message[1] not in _RUNNABLE:
             raise RuntimeError(f"tensor-parallel rank {ranks.rank}: unknown message {kind!r} from rank 0")

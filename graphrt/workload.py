@@ -36,7 +36,8 @@ def decode_engine(
     ``options`` are further ``EngineConfig`` fields (e.g. ``nvtx=True``)."""
     if options.get("tensor_parallel_size", 1) != 1:
         raise ConfigError("bench and profile drive one engine's decode graphs directly, on one rank; "
-                          "tensor_parallel_size > 1 runs through the engine (generate, serve, bench-serving)")
+                          "tensor_parallel_size > 1 runs through the engine (generate, chat, serve, bench-serving, "
+                          "and bench --tensor-parallel-size, which times engine steps)")
     rows = batch_size * query_tokens
     blocks = batch_size * -(-(context + query_tokens) // BLOCK_SIZE) + 1
     config = EngineConfig(

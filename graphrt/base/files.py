@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,3 +22,9 @@ def replaced_when_done(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def write_json(path: str | os.PathLike, data) -> None:
+    """``data`` as indented JSON at ``path``, written whole or not at all (``replaced_when_done``)."""
+    with replaced_when_done(path) as partial, open(partial, "w") as f:
+        json.dump(data, f, indent=2)

@@ -64,6 +64,11 @@ def _quantizes_input(linear: nn.Module, rows: int, device: torch.device, policy:
     return policy.fused and isinstance(linear, Fp8Linear) and linear.takes_quantized_input(rows, device)
 
 
+def _first_names(names: list[str]) -> str:
+    """The first five of ``names`` and how many more, for an error message."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def _row_scales(linear: nn.Module) -> torch.Tensor | None:
     """The per-row scales the GEMV kernels take with an FP8 weight; None for a 16-bit one."""
     return linear.row_scales if isinstance(linear, Fp8Linear) else None
@@ -363,8 +368,8 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens(input_ids)
         local = input_ids - self.shard.vocab_start
         held = (local >= 0) & (local < self.vocab_rows)
-        rows = self.embed_tokens(local.clamp(0, self.vocab_rows - 1)) * held.unsqueeze(1).to(self.embed_tokens.weight.dtype)
-        return self.tensor_parallel.all_reduce(rows)
+        rows = self.embed_tokens(local.clamp(0, self.vocab_rows - 1))
+        return self.tensor_parallel.all_reduce(rows * held.unsqueeze(1).to(rows.dtype))
 
     def calibrate_kv_scales(self, forward: Callable[[], object]) -> list[tuple[float, float]]:
         """Run ``forward()`` (a forward of this model) while each attention layer records its largest
@@ -513,8 +518,7 @@ class LlamaForCausalLM(nn.Module):
         expected = list(params) + [name + ".weight" for name in fp8_layers]
         missing = [n for n in expected if len(loaded.get(n, ())) < self._num_shards(n)]
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+            raise ModelLoadError(f"checkpoint lacks weights for {_first_names(missing)}")
         if stored_head is not None:
             self._untie_if_different(stored_head)
 
@@ -535,8 +539,7 @@ class LlamaForCausalLM(nn.Module):
             return
         bad = [name for name, finite in zip(names, torch.stack(checks).tolist()) if not finite]
         if bad:
-            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise ModelLoadError(f"the checkpoint's weights hold NaN or infinite values: {shown}")
+            raise ModelLoadError(f"the checkpoint's weights hold NaN or infinite values: {_first_names(bad)}")
 
     def _untie_if_different(self, head: torch.Tensor) -> None:
         """A config that ties the LM head to the embedding, over a checkpoint whose ``lm_head.weight``
