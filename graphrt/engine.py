@@ -519,11 +519,17 @@ class LLMEngine:
         appended_total = 0
         for seq, draft, row_tokens, row_logprobs in zip(decodes, drafts, sampled, scored):
             kept = self.drafter.kept_tokens(draft, row_tokens)
+            stop_strings = self._stop_strings.get(seq.seq_id) if len(kept) > 1 else None
             appended = 0
             for token_id, token_logprobs in zip(kept, row_logprobs):
                 seq.append_token(token_id, self.max_model_len, token_logprobs)
                 appended += 1
                 if seq.is_finished:
+                    break
+                # A stop string ends the request at the token that completes it, as without speculation:
+                # the kept tokens after it are not the request's (``_finish_step`` checks once a step).
+                if stop_strings is not None and stop_strings.found(self._running_text(seq)):
+                    seq.finish(FinishReason.STOP)
                     break
             self.drafter.record(seq, len(draft), len(kept) - 1, appended)
             appended_total += appended

@@ -110,3 +110,22 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
     assert out.token_ids == reference.token_ids
     assert out.finish_reason == "stop"
     assert out.text == reference.text[:reference.text.index(last_piece.strip())]
+
+
+@needs_default_model
+def test_a_stop_string_inside_a_verify_step_ends_the_tokens_and_logprobs_there(llm):
+    """Speculation keeps several tokens a step; those after the one completing a stop string are not the
+    request's: tokens, logprobs and finish reason equal the run without speculation."""
+    prompt = "Count: 1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3"
+    params = SamplingParams(temperature=0, max_tokens=33, stop=[" 7"], logprobs=0)
+    [plain] = llm.generate([prompt], params)
+    with LLM(dtype="float32", device="cpu", progress=False, max_model_len=256, speculative="ngram:8") as speculating:
+        [out] = speculating.generate([prompt], params)
+        accepted = speculating.engine.speculative_stats.accepted_tokens
+    assert accepted > len(plain.token_ids) // 2  # the count was drafted, so verify steps kept several tokens
+    assert plain.finish_reason == out.finish_reason == "stop"
+    assert out.text == plain.text
+    assert out.token_ids == plain.token_ids
+    assert [entry.token_id for entry in out.logprobs] == plain.token_ids
+    assert [entry.logprob for entry in out.logprobs] == pytest.approx([entry.logprob for entry in plain.logprobs],
+                                                                        abs=1e-4)
