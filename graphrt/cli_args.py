@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import tempfile
 from pathlib import Path
 
 from graphrt.base.errors import GraphrtError
@@ -121,8 +121,12 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} does not exist")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} is not writable")
+    try:  # a file made and removed: permissions alone miss folders root cannot write either (/proc)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".graphrt-write-check-"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(folder)!r} is not writable "
+                                         f"({exc.strerror or exc})") from None
     return text
 
 

@@ -26,6 +26,16 @@ def test_a_file_is_replaced_only_when_its_writer_finishes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 
 
+def test_a_failed_write_names_the_file_asked_for_not_the_temporary_one(tmp_path):
+    """A folder that turned unwritable after the check (here: gone) fails the write; the error names the
+    user's path."""
+    target = tmp_path / "gone" / "result.json"
+    with pytest.raises(OSError, match=r"cannot write '.*gone/result\.json': No such file") as raised:
+        with replaced_when_done(target) as partial, open(partial, "w") as f:
+            f.write("{}")
+    assert "partial" not in str(raised.value)
+
+
 @pytest.mark.parametrize("command", ["bench", "bench-serving"])
 def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_run(command, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -43,15 +53,16 @@ def test_bench_on_a_cuda_device_torch_does_not_see_is_refused_by_name(capsys):
     assert "Traceback" not in captured.err and captured.out == ""
 
 
-def test_a_trace_in_a_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
-    """(As root every folder passes ``os.access``; a user's read-only folder is stood in for.)"""
+@pytest.mark.parametrize("command", [["profile", "--trace"], ["bench", "--json"], ["bench", "--plot"],
+                                     ["bench-serving", "--json"]])
+def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_the_run(command, capsys):
+    """/proc exists and passes ``os.access`` for root, yet no file can be made there: the check makes one."""
     import os
 
-    folder = tmp_path / "read-only"
-    folder.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(folder) else real_access(path, mode))
+    if not os.path.isdir("/proc") or os.path.exists("/proc/graphrt-check.json"):
+        pytest.skip("needs Linux's /proc")
     with pytest.raises(SystemExit) as exit_info:
-        main(["profile", "--model", "random:tiny", "--device", "cpu", "--trace", str(folder / "t.json")])
+        main([command[0], "--model", "random:tiny", "--device", "cpu", command[1], "/proc/graphrt-check.json"])
     assert exit_info.value.code == 2
-    assert f"the folder {str(folder)!r} is not writable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot write '/proc/graphrt-check.json': the folder '/proc' is not writable" in err, err

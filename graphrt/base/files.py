@@ -20,6 +20,10 @@ def replaced_when_done(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield temporary
         os.replace(temporary, target)
+    except OSError as exc:
+        if exc.filename is not None and Path(exc.filename) == temporary:  # name the file the user asked for
+            raise OSError(exc.errno, f"cannot write {str(target)!r}: {exc.strerror}") from exc
+        raise
     finally:
         temporary.unlink(missing_ok=True)
 
