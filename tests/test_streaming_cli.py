@@ -129,3 +129,14 @@ def test_chat_keeps_the_history_streams_each_answer_and_resets():
         long_turn = "word " * 400
         history, refused = run_chat(llm, [long_turn], params, out=out, err=err)
         assert history == [] and refused == 1 and "turn 1:" in err.getvalue() and "/reset starts a new conversation" in err.getvalue()
+
+
+def test_text_and_token_id_prompts_answer_in_the_order_given():
+    """--prompt and --prompt-ids mixed: the answers (JSON lines here) follow the command line's order."""
+    done = _graphrt("generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "2", "--json",
+                    "--prompt-ids", "5,6,7", "--prompt", "unused text", "--prompt-ids", "9")
+    # random:tiny has no tokenizer: the text prompt is refused in its place, the others answered around it.
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt_token_ids"] for line in lines] == [[5, 6, 7], [], [9]], done.stdout
+    assert [line["prompt"] for line in lines] == [None, "unused text", None]
+    assert "prompt 2:" in done.stderr and done.returncode == 1, done.stderr
