@@ -21,8 +21,13 @@ Prompt = str | list[int]
 #: One chat turn, ``{"role": ..., "content": ...}``, and a conversation: turns in order.
 Message = dict[str, str]
 Conversation = list[Message]
-#: Roles a chat message may have.
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+#: Roles a chat message may have: the chat template's, then OpenAI's ``developer``, a system prompt.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def template_role(role: str) -> str:
+    """The role a chat template knows a message by: ``developer`` is ``system``."""
+    return "system" if role == "developer" else role
 
 
 class LLM:
@@ -158,7 +163,7 @@ class LLM:
         rendered text.
 
         ``messages``: one user message (a string); one conversation, a list of ``{"role", "content"}``
-        dicts (roles ``CHAT_ROLES``: a system prompt, then user and assistant turns); or a list of
+        dicts (roles ``CHAT_ROLES``: a system or developer prompt, then user and assistant turns); or a list of
         either, one request each (vLLM's convention). Raises InvalidRequestError naming the
         conversation and message that is malformed, or that the template refuses."""
         conversations = _as_conversations(messages)
@@ -180,6 +185,7 @@ class LLM:
         if self.tokenizer is None:
             raise GraphrtError("this model has no tokenizer, so it has no chat template")
         _check_conversation(conversation, index)
+        conversation = [{**message, "role": template_role(message["role"])} for message in conversation]
         try:
             text = self.tokenizer.apply_chat_template(conversation)
         except InvalidRequestError as exc:

@@ -113,6 +113,9 @@ def test_chat_takes_conversations_with_system_prompts_and_reports_their_text(llm
     assert [out.token_ids for out in outputs] == [out.token_ids for out in plain]
     [alone] = llm.chat(CONVERSATION, params)
     assert alone.token_ids == outputs[0].token_ids and llm.chat_prompt_ids(CONVERSATION) == expected_ids[0]
+    # OpenAI's developer role is the system prompt, as the server takes it.
+    as_developer = [{**turn, "role": "developer"} if turn["role"] == "system" else turn for turn in CONVERSATION]
+    assert as_developer != CONVERSATION and llm.chat_prompt_ids(as_developer) == expected_ids[0]
     assert llm.chat([], params) == []
 
 
@@ -120,7 +123,7 @@ def test_chat_takes_conversations_with_system_prompts_and_reports_their_text(llm
     ([[]], "conversation 0 has no messages"),
     ([{"role": "user"}], "conversation 0, message 0: missing 'content'"),
     ([{"content": "hi"}], "conversation 0, message 0: missing 'role'"),
-    ([{"role": "bot", "content": "hi"}], "role 'bot' is not one of system, user, assistant, tool"),
+    ([{"role": "bot", "content": "hi"}], "role 'bot' is not one of system, user, assistant, tool, developer"),
     ([{"role": "user", "content": 5}], "conversation 0, message 0: content must be a string, got int"),
     (["hi", [{"role": "user", "content": "x"}, "oops"]], "conversation 1, message 1: expected a dict"),
     (["hi", 3], "conversation 1: expected a string or a list of messages, got int"),

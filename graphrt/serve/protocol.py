@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphrt.base.errors import InvalidRequestError
-from graphrt.llm import CHAT_ROLES
+from graphrt.llm import CHAT_ROLES, template_role
 from graphrt.sampling.params import SEED_LIMIT, SamplingParams
 from graphrt.serve.errors import bad_request
 
@@ -147,8 +147,8 @@ class ChatMessage(BaseModel):
     def as_turn(self, index: int) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template: text parts joined; OpenAI's ``developer`` role is
         the system prompt."""
-        if self.role not in CHAT_ROLES and self.role != "developer":
-            raise bad_request(f"messages[{index}].role {self.role!r} is not one of developer, {', '.join(CHAT_ROLES)}",
+        if self.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{index}].role {self.role!r} is not one of {', '.join(CHAT_ROLES)}",
                               param=f"messages.{index}.role")
         if self.tool_calls or self.function_call is not None:
             raise bad_request(f"messages[{index}] holds tool calls, which graphrt does not support",
@@ -156,7 +156,7 @@ class ChatMessage(BaseModel):
         if self.content is None:
             raise bad_request(f"messages[{index}] has no content", param=f"messages.{index}.content")
         content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": template_role(self.role), "content": content}
 
 
 class ChatCompletionRequest(_GenerationRequest):
