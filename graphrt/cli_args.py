@@ -162,8 +162,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                         "them on W8A16 matrix-vector kernels at one token and above on FP8 tensor cores (per-token "
                         "activation scales) or, up to 16 tokens where it measured faster, a W8A16 tensor-core "
                         "kernel (FP8 on CUDA needs sm_89+); "
-                        "block-scaled checkpoints and the CPU dequantise every weight each forward (on CPU about 9-"
-                        "10x slower than 16 bits: for checking numerics)")
+                        "block-scaled checkpoints and the CPU dequantise every weight each forward (on CPU 3.6-10x "
+                        "slower than 16 bits on the machines measured: for checking numerics)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="KV-cache storage: auto = the model dtype, fp8 = E4M3 (one byte a value; per-layer "
                         "scales from the checkpoint, else 1.0; generate --calibrate-kv-scales measures them)")
@@ -245,6 +245,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def add_sampling_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """--temperature, --top-k, --top-p and --seed, shared by every request (``what``) of the command."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    parser.add_argument("--seed", type=int, default=None, help=f"sampling seed of every {what}")
+    parser.add_argument("--seed", type=int, default=None, help=f"sampling seed of every {what} (without it the seeds are drawn from a fixed "
+                        "engine seed, so a run repeats the last one's samples)")

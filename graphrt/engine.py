@@ -123,6 +123,8 @@ class LLMEngine:
                 self.device = rank_device(self.device, self.ranks.rank, self.ranks.size)
             self.tokenizer: Tokenizer | None = checkpoint.tokenizer
             self.max_model_len = self._resolve_max_model_len()
+            #: Said beside max_model_len in the errors it causes when the cache lowered it.
+            self._max_model_len_origin = ""
             if config.enable_chunked_prefill:  # the budget a step's decodes and prompt chunks share
                 self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS
             else:  # whole prompts: one must fit
@@ -848,15 +850,16 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:  # C-level scans; the loop only names the first
             outside = next(t for t in token_ids if not 0 <= t < vocab)
             raise InvalidRequestError(f"token id {outside} is outside the vocabulary [0, {vocab})")
+        origin = self._max_model_len_origin
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}{origin}, "
                 "which leaves no room for a generated token"
             )
         room = self.max_model_len - len(token_ids)
         if params.max_tokens > room:
             message = (f"prompt of {len(token_ids)} tokens leaves room for {room} of the {params.max_tokens} "
-                       f"tokens asked (max_model_len {self.max_model_len})")
+                       f"tokens asked (max_model_len {self.max_model_len}{origin})")
             if self.config.strict_max_tokens:
                 raise InvalidRequestError(
                     message + "; lower max_tokens or raise max_model_len (--max-tokens, --max-model-len)")
@@ -948,6 +951,8 @@ class LLMEngine:
             return self.max_model_len
         logger.info("max_model_len lowered from %d to %d, the longest sequence the KV cache's %d blocks hold",
                     self.max_model_len, holds, num_blocks - 1)
+        self._max_model_len_origin = (f" (lowered from {self.max_model_len} to what the KV cache's {num_blocks - 1} "
+                                      f"blocks of {self.config.block_size} tokens hold; a larger cache raises it)")
         return holds
 
     def _choose_num_blocks(self) -> int:

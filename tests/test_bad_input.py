@@ -458,3 +458,12 @@ def test_fp8_codes_that_are_nan_are_refused_by_name():
         codes.view(torch.uint8)[5, 9] = 0xFF  # -NaN in E4M3FN
         with pytest.raises(ModelLoadError, match=r"layers\.0\.self_attn\.qkv_proj\.weight"):
             model.check_finite()
+
+
+def test_a_prompt_longer_than_a_small_cache_holds_names_the_cache():
+    """max_model_len left to the model, lowered to what 3 blocks hold: the refusal says so."""
+    with LLM("random:tiny", dtype="float32", device="cpu", progress=False, num_kv_blocks=3, block_size=16) as small:
+        with pytest.raises(InvalidRequestError) as err:
+            small.engine.add_request(list(range(1, 40)), GREEDY)
+    assert "prompt has 39 tokens but max_model_len is 33 (lowered from 2048" in str(err.value)  # the last token needs no slot
+    assert "KV cache's 2 blocks of 16 tokens" in str(err.value)
