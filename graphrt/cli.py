@@ -247,6 +247,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         calibrate_kv_scales=args.calibrate_kv_scales, strict_max_tokens=args.strict, **engine_options(args),
     ) as llm:
         given: list[str | list[int]] = args.prompts  # texts and token-id lists, in the order given
+        if args.chat and (llm.tokenizer is None or llm.tokenizer.chat_template is None):
+            raise GraphrtError(f"model {args.model or 'default'!r} has no chat template: leave out --chat")
         prompts = [llm.chat_prompt_ids(prompt) if args.chat and isinstance(prompt, str) else prompt
                    for prompt in given]
         printer = StreamPrinter(given, json_lines=args.json)

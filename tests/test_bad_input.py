@@ -467,3 +467,18 @@ def test_a_prompt_longer_than_a_small_cache_holds_names_the_cache():
             small.engine.add_request(list(range(1, 40)), GREEDY)
     assert "prompt has 39 tokens but max_model_len is 33 (lowered from 2048" in str(err.value)  # the last token needs no slot
     assert "KV cache's 2 blocks of 16 tokens" in str(err.value)
+
+
+def test_a_checkpoint_missing_a_projection_names_it_and_its_folder(tmp_path):
+    """One of q/k/v gone: the error names the checkpoint's tensor (not the fused parameter) and the folder."""
+    pytest.importorskip("transformers")
+    from random_checkpoints import write_random_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    write_random_checkpoint("llama3-rope-scaling", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    assert str(info.value) == f"{tmp_path}: checkpoint lacks weights for layers.1.self_attn.k_proj.weight"

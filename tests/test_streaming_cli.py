@@ -140,3 +140,8 @@ def test_text_and_token_id_prompts_answer_in_the_order_given():
     assert [line["prompt_token_ids"] for line in lines] == [[5, 6, 7], [], [9]], done.stdout
     assert [line["prompt"] for line in lines] == [None, "unused text", None]
     assert "prompt 2:" in done.stderr and done.returncode == 1, done.stderr
+
+
+def test_chat_on_a_model_without_a_chat_template_names_the_model():
+    done = _graphrt("generate", "--model", "random:tiny", "--device", "cpu", "--chat", "--prompt", "hi")
+    assert done.returncode == 2 and "model 'random:tiny' has no chat template: leave out --chat" in done.stderr

@@ -284,6 +284,10 @@ MEASURED_TILES = {
     (576, 1536, False): TileConfig(4, 2048, 4),  # SmolLM2 down
 }
 
+#: The same for FP8 (one-byte) weights, chosen inside the captured decode step by
+#: ``profiles/tiles_in_step.py``; shapes not listed take ``general_config``'s FP8 tile.
+MEASURED_FP8_TILES: dict[tuple[int, int, bool], TileConfig] = {}
+
 
 def general_config(in_features: int, silu_mul: bool = False, element_size: int = 2) -> TileConfig:
     """The tile for shapes nobody measured: 8 outputs a program, K slices of up to 1024, 8 warps (4
@@ -306,9 +310,11 @@ def general_config(in_features: int, silu_mul: bool = False, element_size: int =
 
 def default_config(in_features: int, weight_rows: int | None = None, silu_mul: bool = False,
                    element_size: int = 2) -> TileConfig:
-    """The tile for a ``[weight_rows, in_features]`` weight: the measured one (``MEASURED_TILES``) for
-    16-bit weights of a measured shape, else ``general_config``'s."""
-    measured = MEASURED_TILES.get((weight_rows, in_features, silu_mul)) if element_size == 2 else None
+    """The tile for a ``[weight_rows, in_features]`` weight: the measured one for a measured shape
+    (``MEASURED_TILES`` for 16-bit weights, ``MEASURED_FP8_TILES`` for FP8 codes), else
+    ``general_config``'s."""
+    table = {2: MEASURED_TILES, 1: MEASURED_FP8_TILES}.get(element_size, {})
+    measured = table.get((weight_rows, in_features, silu_mul))
     return measured if measured is not None else general_config(in_features, silu_mul, element_size)
 
 

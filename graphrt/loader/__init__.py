@@ -57,7 +57,13 @@ def load_weights_into(model: torch.nn.Module, checkpoint: Checkpoint, progress: 
         checkpoint.tensors(), total=checkpoint.num_tensors(), desc="loading weights", unit="tensor",
         disable=None if progress else True, leave=False,  # None: off where stderr is not a terminal
     )
-    model.load_weights(tensors)
+    try:
+        model.load_weights(tensors)
+    except ModelLoadError as exc:
+        where = str(checkpoint.path)
+        if where in str(exc):
+            raise
+        raise ModelLoadError(f"{where}: {exc}") from None
 
 
 __all__ = ["Checkpoint", "open_checkpoint", "load_weights_into", "RANDOM_PRESETS"]

@@ -516,7 +516,8 @@ class LlamaForCausalLM(nn.Module):
         for (key, shard), parts in fp8_parts.items():  # what never completed: the errors name what is missing
             install(key, shard, parts)
         expected = list(params) + [name + ".weight" for name in fp8_layers]
-        missing = [n for n in expected if len(loaded.get(n, ())) < self._num_shards(n)]
+        missing = [checkpoint_name for n in expected
+                   for checkpoint_name in self._checkpoint_names(n, loaded.get(n, set()))]
         if missing:
             raise ModelLoadError(f"checkpoint lacks weights for {_first_names(missing)}")
         if stored_head is not None:
@@ -658,6 +659,14 @@ class LlamaForCausalLM(nn.Module):
             if marker in "." + name:
                 return name.replace(suffix, fused), shard
         return name, None
+
+    def _checkpoint_names(self, name: str, loaded_shards: set) -> list[str]:
+        """The checkpoint tensors (HF names) of parameter ``name`` not among ``loaded_shards``: q/k/v and
+        gate/up by their own names rather than the fused parameter's."""
+        if self._num_shards(name) == 1:
+            return [] if loaded_shards else [name]
+        return [name.replace(fused, part) for part, (fused, shard) in self._FUSED_SHARDS.items()
+                if fused in name and shard not in loaded_shards]
 
     @staticmethod
     def _num_shards(name: str) -> int:
