@@ -392,6 +392,16 @@ def test_gguf_unknown_pre_tokenizer(tmp_path):
         Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre="made-up"))
 
 
+def test_a_gguf_without_tokenizer_keys_says_so(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"holds no tokenizer \(no tokenizer\.ggml\.model key\)"):
+        Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "t.gguf"))
+
+
 def test_gguf_sentencepiece_tokenizer_without_scores_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
         Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", model="llama"))

@@ -310,6 +310,8 @@ class Tokenizer:
         metadata that is missing, of the wrong type or length, or names an id outside the vocabulary.
         """
         model = _field(reader, "tokenizer.ggml.model")
+        if model is None:
+            raise ModelLoadError("the GGUF file holds no tokenizer (no tokenizer.ggml.model key)")
         if model not in _GGUF_MODELS:
             raise ModelLoadError(
                 f"GGUF tokenizer model {model!r} is not supported; graphrt reads byte-level BPE ('gpt2') "
