@@ -20,6 +20,8 @@ Nsight Systems (the NVTX ranges name each step's phases):
 
 import argparse
 import cProfile
+import json
+import math
 import pstats
 import random
 import statistics
@@ -29,7 +31,7 @@ import time
 from graphrt.cli_args import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
-from graphrt.profile import step_annotation, summarize_trace, torch_trace
+from graphrt.profile import analyze_trace, load_trace, step_annotation, summarize_trace, torch_trace
 from graphrt.sampling.params import SamplingParams
 
 
@@ -44,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cached", action="store_true", help="prefix caching on (off: each prompt computed whole)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step's token budget")
     parser.add_argument("--torch-profile", metavar="FILE", help="record the timed requests with torch.profiler")
+    parser.add_argument("--kernels-json", metavar="FILE",
+                        help="with --torch-profile: write the window's whole kernel breakdown (every kernel's "
+                             "time and exposed time a request, graphrt.profile.analyze_trace) as JSON")
     parser.add_argument("--python-profile", metavar="FILE",
                         help="record the timed requests' host work with cProfile (pstats file), printing its top rows")
     return parser.parse_args(argv)
@@ -127,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt latency: {args.model} on {engine.device} ({dtype}), {args.batch_size} decoding, prompts of "
           f"{args.prefix_len} shared + {args.suffix_len} own tokens, prefix caching "
           f"{'on' if args.cached else 'off'}: TTFT median {median(ttft)} ms "
-          f"(p90 {sorted(ttft)[int(0.9 * (len(ttft) - 1))]:.3f}) = add_request {median(add_ms)} + steps "
+          f"(p90 {sorted(ttft)[math.ceil(0.9 * len(ttft)) - 1]:.3f}) = add_request {median(add_ms)} + steps "
           f"{median(steps_ms)} ms ({statistics.median(num_steps):g} step calls)")
     if profiling:
         print(summarize_trace(args.torch_profile))
+        if args.kernels_json:
+            with open(args.kernels_json, "w") as handle:
+                json.dump(analyze_trace(load_trace(args.torch_profile), top=40), handle, indent=1)
     if host_profile is not None:
         host_profile.dump_stats(args.python_profile)
         print(host_profile_table(pstats.Stats(host_profile), args.requests))

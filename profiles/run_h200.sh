@@ -262,7 +262,8 @@ for stage in $stages; do
         done
         log "prompt_latency.py: the same, cached, under torch.profiler"
         python profiles/prompt_latency.py --batch-size "$batch" --cached --requests 8 \
-          --torch-profile "/tmp/prompt_latency_b$batch.json" || status=1
+          --torch-profile "/tmp/prompt_latency_b$batch.json" \
+          --kernels-json "$OUT/prompt_latency_kernels_b${batch}_$TAG.json" || status=1
       done
       ;;
     serve-overhead)
