@@ -237,8 +237,8 @@ def test_linear_gemv_rejects_bad_shapes():
 
 def _sm90_cases():
     """Every launch specialisation linear_gemv makes: the general tile at the largest K slice, bf16
-    and fp32, each variant, launched plainly and as a dependent; every measured tile (16-bit weights
-    only) with the epilogues it serves, as the decode path launches it on sm_90 (a dependent)."""
+    and fp32, each variant, launched plainly and as a dependent; every measured tile (16-bit and FP8
+    weights) with the epilogues it serves, as the decode path launches it on sm_90 (a dependent)."""
     from sm90_compile import gemv_case
 
     cases = []
@@ -249,10 +249,11 @@ def _sm90_cases():
         config = gemv.general_config(8192, variant == "norm_silu", element_size=1)
         cases.append(gemv_case(f"{variant}-bf16-fp8-weight{'-dependent' if pdl else ''}", "bf16", variant, config,
                                pdl, 8192, fp8_weight=True))
-    for (rows, in_features, silu), config in gemv.MEASURED_TILES.items():
-        for variant in ["norm_silu"] if silu else ["norm", "add"]:
-            cases.append(gemv_case(f"{variant}-bf16-{rows}x{in_features}-dependent", "bf16", variant, config, True,
-                                   in_features))
+    for table, fp8 in ((gemv.MEASURED_TILES, False), (gemv.MEASURED_FP8_TILES, True)):
+        for (rows, in_features, silu), config in table.items():
+            for variant in ["norm_silu"] if silu else ["norm", "add"]:
+                cases.append(gemv_case(f"{variant}-bf16-{'fp8-' if fp8 else ''}{rows}x{in_features}-dependent", "bf16",
+                                       variant, config, True, in_features, fp8_weight=fp8))
     return cases
 
 
@@ -278,7 +279,8 @@ def test_measured_tiles_apply_to_16_bit_weights_of_their_shape_only():
     assert gemv.default_config(2048, 16384, False, 2) == gemv.TileConfig(8, 1024, 8)  # not as SiLU * up
     assert gemv.default_config(100, 20) == gemv.TileConfig(8, 128, 8)
     assert gemv.default_config(2048, 2048, False, 1) == gemv.TileConfig(4, 2048, 4, 16)  # FP8: the general FP8 tile
-    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(4, 2048, 4, 16)
+    assert gemv.default_config(2048, 16384, True, 1) == gemv.TileConfig(8, 1024, 4, 8)  # FP8: measured
+    assert gemv.default_config(2048, 16384, False, 1) == gemv.TileConfig(4, 2048, 4, 16)  # not as SiLU * up
     assert gemv.default_config(576, 960, False, 1) == gemv.TileConfig(4, 1024, 4, 8)
     assert gemv.default_config(48, 64, False, 1) == gemv.TileConfig(4, 64, 4, 1)
 
