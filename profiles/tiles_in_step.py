@@ -33,9 +33,20 @@ from graphrt.workload import decode_engine, fill_decode_batch
 MATRICES = ("qkv", "o", "gate_up", "down")
 
 
-def candidate_tiles(element_size: int) -> list[gemv.TileConfig]:
+def candidate_tiles(element_size: int, wide: bool = False) -> list[gemv.TileConfig]:
     """Tiles tried per matrix: outputs a program, K slice, warps, with ``general_config``'s thread sums
-    for one-byte weights; at most 16 KiB of weights a slice."""
+    for one-byte weights; at most 16 KiB of weights a slice. ``wide`` (one-byte weights): the second
+    round, around the first one's winners (8 outputs a program, at the edge of its grid): 8 and 16
+    outputs, 1024-4096-code slices, 4 and 8 warps (2 for 8 x 1024 and 8 x 2048), half the thread sum
+    beside the rule's, up to 32 KiB a slice."""
+    if element_size == 1 and wide:
+        tiles = []
+        for bn, bk, w in itertools.product((8, 16), (1024, 2048, 4096), (2, 4, 8)):
+            if bn * bk > 32768 or (w == 2 and (bn, bk) not in ((8, 1024), (8, 2048))):
+                continue
+            rule = max(1, min(16, bk // 128))
+            tiles += [gemv.TileConfig(bn, bk, w, rule)] + ([gemv.TileConfig(bn, bk, w, rule // 2)] if rule > 1 else [])
+        return tiles
     if element_size == 1:
         return [gemv.TileConfig(bn, bk, w, max(1, min(16, bk // 128)))
                 for bn, bk, w in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8)) if bn * bk <= 16384]
@@ -82,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of the combined comparison")
     parser.add_argument("--min-gain", type=float, default=0.01, help="a candidate's least gain over the baseline")
     parser.add_argument("--matrices", nargs="+", default=list(MATRICES), choices=MATRICES)
+    parser.add_argument("--wide", action="store_true", help="FP8: the second round's wider grid (candidate_tiles)")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -107,7 +119,7 @@ def main() -> None:
         default = gemv.default_config(key[1], key[0], key[2], element_size)
         baseline_ms, _ = timer()
         rows = []
-        for tile in candidate_tiles(element_size):
+        for tile in candidate_tiles(element_size, args.wide):
             table[key] = tile
             try:
                 ms, token = timer()
@@ -126,7 +138,7 @@ def main() -> None:
         results[name] = {"key": list(key), "default": describe(default), "baseline_ms": round(baseline, 4),
                          "candidates": rows}
         if best is not None and best["ms"] < baseline * (1 - args.min_gain):
-            winners[name] = next(t for t in candidate_tiles(element_size) if describe(t) == best["tile"])
+            winners[name] = next(t for t in candidate_tiles(element_size, args.wide) if describe(t) == best["tile"])
             print(f"{name}: {best['tile']} {best['ms']:.4f} against {baseline:.4f} ms", flush=True)
 
     combined: dict = {}
