@@ -17,8 +17,7 @@ A program walks its keys one tile after another, so a short chunk over a long co
 prefill's step, a prompt after a cached prefix) has few programs, each long: the cached context is then
 split into ``num_splits`` runs of key tiles, one program each (the last also takes the new tokens); each
 writes its rows' partial result (output normalised by its own sum, the running maximum and sum) to a
-float32 workspace, and the splits are weighed together either by the last of a row tile's splits to finish
-(counted in with an atomic: ``merge_in_kernel``) or by a second kernel.
+float32 workspace, and a second kernel weighs the splits together.
 
 Cache layout (shared with ``attention.reference``): ``kv_cache [2, num_blocks, block_size * KVH * D]``;
 ``kv_cache[0].view(num_blocks, block_size, KVH, D)`` are keys, ``[1]`` values; with
@@ -59,11 +58,9 @@ def _prefix_prefill_kernel(
     VNew,
     KCache,  # [num_blocks, block_size * KVH * D]
     VCache,
-    Out,  # [T, H, D]
-    Partial,  # [NUM_SPLITS, T, H, D] float32 partial outputs (written only with NUM_SPLITS > 1)
+    Out,  # [T, H, D]; with NUM_SPLITS > 1, the float32 partial outputs [NUM_SPLITS, T, H, D]
     PartialMax,  # [NUM_SPLITS, T, H] float32 (written only with NUM_SPLITS > 1)
     PartialSum,
-    Arrivals,  # [row tiles, B, KVH] int32, zero on entry (used with MERGE_IN_KERNEL)
     BlockTables,  # [B, M] int32
     QueryStart,  # [B + 1] int32
     SeqLens,  # [B] int32
@@ -80,9 +77,7 @@ def _prefix_prefill_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    stride_ps,  # Partial's split, token and head strides (NUM_SPLITS > 1)
-    stride_pt,
-    stride_ph,
+    stride_os,  # Out's split stride (NUM_SPLITS > 1)
     stride_ms,  # PartialMax / PartialSum: split and token strides (the head stride is 1)
     stride_mt,
     stride_cache_block,
@@ -100,8 +95,6 @@ def _prefix_prefill_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 dots (Hopper would round them to TF32), else None
     NUM_SPLITS: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr,  # the last split of a row tile to finish merges the splits (else a second kernel)
-    BLOCK_IDS_AHEAD: tl.constexpr,  # each key tile's block ids are loaded in the iteration before
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -152,20 +145,10 @@ def _prefix_prefill_kernel(
     tiles_per_split = tl.cdiv(key_tiles, NUM_SPLITS)
     split_start = first_key + split * tiles_per_split * BLOCK_N
     split_end = tl.minimum(split_start + tiles_per_split * BLOCK_N, ctx)
-    if BLOCK_IDS_AHEAD:
-        # The K/V addresses of a tile then wait on no load of their own iteration, so Triton can keep the
-        # next tiles' loads in flight (as in the fp8 paged decode).
-        ahead = split_start + cols
-        block_ahead = tl.load(table + ahead // CACHE_BLOCK, mask=ahead < split_end, other=0)
     for n0 in range(split_start, split_end, BLOCK_N):
         pos = n0 + cols
         pos_ok = pos < ctx
-        if BLOCK_IDS_AHEAD:
-            block = block_ahead.to(tl.int64)
-            ahead = pos + BLOCK_N
-            block_ahead = tl.load(table + ahead // CACHE_BLOCK, mask=ahead < split_end, other=0)
-        else:
-            block = tl.load(table + pos // CACHE_BLOCK, mask=pos_ok, other=0).to(tl.int64)
+        block = tl.load(table + pos // CACHE_BLOCK, mask=pos_ok, other=0).to(tl.int64)
         offset = block * stride_cache_block + ((pos % CACHE_BLOCK) * NUM_KV_HEADS + kv_head) * HEAD_SIZE
         k = tl.load(KCache + offset[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(VCache + offset[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -202,48 +185,11 @@ def _prefix_prefill_kernel(
         tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
-        part_rows = token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
-        tl.store(Partial + split * stride_ps + part_rows, out, mask=row_ok[:, None] & dim_ok[None, :])
-        stat = token * stride_mt + head
-        tl.store(PartialMax + split * stride_ms + stat, m_i, mask=row_ok)
-        tl.store(PartialSum + split * stride_ms + stat, l_i, mask=row_ok)
-        if MERGE_IN_KERNEL:
-            # Count this split in. One thread performs the scalar atomic: the barrier orders every
-            # thread's partial stores before its release, and its acquire orders the merge's loads after
-            # the other splits' stores. The last to arrive resets the count for the next launch.
-            tl.debug_barrier()
-            counter = Arrivals + (tile * tl.num_programs(1) + seq).to(tl.int64) * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                merged = _merge_splits(Partial, PartialMax, PartialSum, part_rows, stat, row_ok[:, None] & dim_ok[None, :],
-                                       row_ok, stride_ps, stride_ms, NUM_SPLITS, BLOCK_R)
-                tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                         merged.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _merge_splits(Partial, PartialMax, PartialSum, part_offsets, stat_offsets, part_mask, stat_mask, stride_ps,
-                  stride_ms, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr):
-    """The splits' partial outputs at ``part_offsets`` (normalised by their own sums) weighed by sum *
-    2^(max - the largest max), normalised: float32, the shape of ``part_offsets``. The maxima and sums
-    are at ``stat_offsets`` (one a row). Written by other programs of the launch (or of an earlier
-    one): loaded with ``.cg``, from L2, never a stale L1 line."""
-    largest = tl.full([ROWS], -1.0e30, tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        m = tl.load(PartialMax + split * stride_ms + stat_offsets, mask=stat_mask, other=-1.0e30, cache_modifier=".cg")
-        largest = tl.maximum(largest, m)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros(part_offsets.shape, tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        weight = tl.load(PartialSum + split * stride_ms + stat_offsets, mask=stat_mask, other=0.0,
-                         cache_modifier=".cg") * tl.exp2(tl.load(PartialMax + split * stride_ms + stat_offsets,
-                                                                 mask=stat_mask, other=-1.0e30, cache_modifier=".cg")
-                                                         - largest)
-        part = tl.load(Partial + split * stride_ps + part_offsets, mask=part_mask, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * part
-        total += weight
-    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(Out + split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out, mask=row_ok[:, None] & dim_ok[None, :])
+        partial = split * stride_ms + token * stride_mt + head
+        tl.store(PartialMax + partial, m_i, mask=row_ok)
+        tl.store(PartialSum + partial, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -275,8 +221,21 @@ def _combine_splits_kernel(
     dims = tl.arange(0, HEAD_PAD)
     head_ok = heads < NUM_HEADS
     mask = head_ok[:, None] & (dims < HEAD_SIZE)[None, :]
-    out = _merge_splits(Partial, PartialMax, PartialSum, token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
-                        token * stride_mt + heads, mask, head_ok, stride_ps, stride_ms, NUM_SPLITS, HEADS_PAD)
+    largest = tl.full([HEADS_PAD], -1.0e30, tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        m = tl.load(PartialMax + split * stride_ms + token * stride_mt + heads, mask=head_ok, other=-1.0e30)
+        largest = tl.maximum(largest, m)
+    total = tl.zeros([HEADS_PAD], tl.float32)
+    acc = tl.zeros([HEADS_PAD, HEAD_PAD], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        offset = split * stride_ms + token * stride_mt + heads
+        weight = tl.load(PartialSum + offset, mask=head_ok, other=0.0) * tl.exp2(
+            tl.load(PartialMax + offset, mask=head_ok, other=-1.0e30) - largest)
+        part = tl.load(Partial + split * stride_ps + token * stride_pt + heads[:, None] * stride_ph + dims[None, :],
+                       mask=mask, other=0.0)
+        acc += weight[:, None] * part
+        total += weight
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
              mask=mask)
 
@@ -293,34 +252,6 @@ def choose_tiles(rows: int, head_pad: int) -> tuple[int, int, int]:
 #: Most context splits a launch takes; the automatic choice fills about two programs an SM.
 MAX_SPLITS = 8
 _sm_counts: dict[int, int] = {}
-
-#: How split launches merge their partial outputs by default: the last split of each row tile to finish
-#: merges them (``True``), or a second kernel, one program a token (``False``).
-MERGE_IN_KERNEL = False
-#: Whether the key tiles' block ids are loaded a tile ahead by default.
-BLOCK_IDS_AHEAD = False
-
-#: Arrival counts of the in-kernel merge per device: int32, one per (row tile, sequence, KV head) of a
-#: launch, zero between launches (the last split of each resets its count). A fixed size, allocated on
-#: a device's first split launch outside CUDA-graph capture and never freed or moved, so captured graphs
-#: keep a valid address; launches that need more counts (or that come first inside a capture) merge with
-#: the second kernel instead. One buffer a device: split launches must not run concurrently on it
-#: (graphrt runs its forwards and graph replays on one stream).
-ARRIVAL_CAPACITY = 1 << 16
-_arrivals: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's arrival counts (``ARRIVAL_CAPACITY`` int32, zero), or None where ``needed`` exceeds
-    them or they would have to be allocated inside CUDA-graph capture."""
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
-    counts = _arrivals.get(key)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _arrivals[key] = torch.zeros(ARRIVAL_CAPACITY, dtype=torch.int32, device=device)
-    return counts if needed <= counts.numel() else None
 
 
 def choose_num_splits(row_tiles: int, num_kv_heads: int, device: torch.device) -> int:
@@ -355,8 +286,6 @@ def triton_prefix_prefill(
     block_r: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
-    merge_in_kernel: bool | None = None,
-    block_ids_ahead: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context and, causally, over themselves.
 
@@ -369,9 +298,7 @@ def triton_prefix_prefill(
     p - k < W; alibi_slopes: [H] float, adds ``slope[h] * (k - p)``; out: optional [T, H, D] to write
     (allocated when None). block_r/block_n override the tile sizes (tests); num_splits the context splits
     (None: ``choose_num_splits``, a launch shape fixed by ``max_query_len`` alone, so a captured graph keeps
-    it); merge_in_kernel: split launches merge in the split kernel (``arrival_counts``) rather than in a
-    second one; block_ids_ahead: key tiles' block ids loaded a tile ahead (None: the module's
-    ``MERGE_IN_KERNEL`` and ``BLOCK_IDS_AHEAD``; either way the same values). Returns out.
+    it). Returns out.
     Semantics: ``attention.reference.attend`` per sequence with its cached prefix as context.
     """
     num_tokens, num_heads, head_size = query.shape
@@ -404,15 +331,13 @@ def triton_prefix_prefill(
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else query  # unread without ALiBi
     row_tiles = triton.cdiv(max_query_len * per_kv, block_r)
     num_splits = num_splits or choose_num_splits(row_tiles, num_kv_heads, query.device)
-    arrivals = None
     if num_splits > 1:  # float32 partials per split, then weighed together
         partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
         partial_max = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=out.device)
         partial_sum = torch.empty_like(partial_max)
-        if MERGE_IN_KERNEL if merge_in_kernel is None else merge_in_kernel:
-            arrivals = arrival_counts(query.device, row_tiles * num_seqs * num_kv_heads)
+        target = partial
     else:
-        partial = partial_max = partial_sum = out  # unread
+        partial_max = partial_sum = target = out  # unread
     grid = (row_tiles, num_seqs, num_kv_heads * num_splits)
     dot_fp32 = query.device.type == "cpu" and query.dtype == torch.bfloat16
     _prefix_prefill_kernel[grid](
@@ -421,11 +346,9 @@ def triton_prefix_prefill(
         value,
         kv_cache[0],
         kv_cache[1],
-        out,
-        partial,
+        target,
         partial_max,
         partial_sum,
-        out if arrivals is None else arrivals,  # unread without the in-kernel merge
         block_tables,
         query_start_loc,
         seq_lens,
@@ -440,11 +363,9 @@ def triton_prefix_prefill(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        out.stride(0),
-        out.stride(1),
-        partial.stride(0) if num_splits > 1 else 0,
-        partial.stride(1) if num_splits > 1 else 0,
-        partial.stride(2) if num_splits > 1 else 0,
+        target.stride(-3),
+        target.stride(-2),
+        target.stride(0) if num_splits > 1 else 0,
         partial_max.stride(0) if num_splits > 1 else 0,
         partial_max.stride(1) if num_splits > 1 else 0,
         kv_cache.stride(1),
@@ -463,12 +384,10 @@ def triton_prefix_prefill(
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 or query.dtype == torch.float32 else None,
         NUM_SPLITS=num_splits,
-        MERGE_IN_KERNEL=arrivals is not None,
-        BLOCK_IDS_AHEAD=BLOCK_IDS_AHEAD if block_ids_ahead is None else block_ids_ahead,
         num_warps=num_warps,
         num_stages=2,
     )
-    if num_splits > 1 and arrivals is None:
+    if num_splits > 1:
         _combine_splits_kernel[(num_tokens,)](
             partial, partial_max, partial_sum, out, query_start_loc, num_seqs,
             partial.stride(0), partial.stride(1), partial.stride(2), partial_max.stride(0), partial_max.stride(1),

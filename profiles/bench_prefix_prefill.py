@@ -1,8 +1,7 @@
 """The prefix-prefill kernel's launch shapes for one prompt part over a long cached context, the shape of a
 chunked prefill step or a prompt after a cached prefix (Llama-3.2-1B's attention: 32 query / 8 KV heads, head
 size 64, bf16, page 16, 16 layers): median microseconds a layer for each (rows a program x keys a step /
-context splits), beside what the launcher picks (``choose_tiles``, ``choose_num_splits``), that choice with
-the splits merged in the split kernel or by a second one and the block ids loaded a tile ahead or not.
+context splits), beside what the launcher picks (``choose_tiles``, ``choose_num_splits``).
 
 Each configuration is timed as a decode step sees it: one CUDA graph launching the kernel once per layer over
 16 layers' own caches (so the context is not left in L2 by the layer before), replayed; the configurations
@@ -45,13 +44,11 @@ class Point:
         self.lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
         self.out = torch.empty_like(self.query)
 
-    def layers(self, block_r: int | None, block_n: int | None, num_splits: int | None, merge_in_kernel=None,
-               block_ids_ahead=None) -> None:
+    def layers(self, block_r: int | None, block_n: int | None, num_splits: int | None) -> None:
         for cache in self.caches:
             kernel.triton_prefix_prefill(self.query, self.key, self.value, cache, self.table, self.starts, self.lens,
                                          self.new_tokens, HEAD_SIZE**-0.5, out=self.out, block_r=block_r,
-                                         block_n=block_n, num_splits=num_splits, merge_in_kernel=merge_in_kernel,
-                                         block_ids_ahead=block_ids_ahead)
+                                         block_n=block_n, num_splits=num_splits)
 
     def graph(self, config: tuple) -> torch.cuda.CUDAGraph:
         self.layers(*config)  # compiles the variant outside capture
@@ -77,9 +74,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--replays", type=int, default=20, help="graph replays a round")
     parser.add_argument("--json", help="write the results as JSON")
-    parser.add_argument("--variants-only", action="store_true",
-                        help="time the launcher's tiles and splits only, with and without the in-kernel merge and "
-                             "the block ids a tile ahead (no tile sweep)")
     args = parser.parse_args()
     results = []
     for new_tokens, context in POINTS:
@@ -88,13 +82,8 @@ def main() -> None:
         chosen = kernel.choose_tiles(rows, triton.next_power_of_2(HEAD_SIZE))
         splits = kernel.choose_num_splits(-(-rows // chosen[0]), NUM_KV_HEADS, torch.device("cuda"))
         configs = {"chosen": (None, None, None)}
-        # The launcher's choice merging splits with a second kernel or in the split kernel, block ids loaded
-        # in the tile's own iteration or one ahead (the module defaults say which "chosen" takes).
-        configs.update({f"chosen{'+merge' if merge else ''}{'+ahead' if ahead else ''}": (None, None, None, merge, ahead)
-                        for merge in (False, True) for ahead in (False, True)})
-        if not args.variants_only:
-            configs.update({f"{r}x{n}" + (f"/{s}" if s > 1 else ""): (r, n, s)
-                            for r, n in TILES for s in SPLITS if s == 1 or (r, n) in ((16, 64), (64, 64))})
+        configs.update({f"{r}x{n}" + (f"/{s}" if s > 1 else ""): (r, n, s)
+                        for r, n in TILES for s in SPLITS if s == 1 or (r, n) in ((16, 64), (64, 64))})
         graphs = {name: point.graph(config) for name, config in configs.items()}
         times = {name: [] for name in graphs}
         for graph in graphs.values():  # warm the clocks and every graph once

@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 
-from graphrt.attention import triton_prefix_prefill
 from graphrt.cli_args import add_model_arguments, kernel_options
 from graphrt.config import EngineConfig
 from graphrt.engine import LLMEngine
@@ -50,10 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels-json", metavar="FILE",
                         help="with --torch-profile: write the window's whole kernel breakdown (every kernel's "
                              "time and exposed time a request, graphrt.profile.analyze_trace) as JSON")
-    parser.add_argument("--prefix-prefill", choices=["default", "second-kernel", "in-kernel", "in-kernel-ahead"],
-                        default="default", help="how the prefix-prefill kernel merges context splits (a second "
-                        "kernel, or the last split; the latter also with block ids a tile ahead): sets "
-                        "graphrt.attention.triton_prefix_prefill's defaults for this run")
     parser.add_argument("--python-profile", metavar="FILE",
                         help="record the timed requests' host work with cProfile (pstats file), printing its top rows")
     return parser.parse_args(argv)
@@ -75,9 +70,6 @@ def host_profile_table(stats: pstats.Stats, requests: int, rows: int = 30) -> st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.prefix_prefill != "default":
-        triton_prefix_prefill.MERGE_IN_KERNEL = args.prefix_prefill.startswith("in-kernel")
-        triton_prefix_prefill.BLOCK_IDS_AHEAD = args.prefix_prefill == "in-kernel-ahead"
     warmup = 4
     total = warmup + args.requests
     decode_tokens = 64 + 8 * total  # the decoding sequences outlast the run
@@ -139,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft = [a + s for a, s in zip(add_ms, steps_ms)]
     print(f"prompt latency: {args.model} on {engine.device} ({dtype}), {args.batch_size} decoding, prompts of "
           f"{args.prefix_len} shared + {args.suffix_len} own tokens, prefix caching "
-          f"{'on' if args.cached else 'off'}, prefix prefill {args.prefix_prefill}: TTFT median {median(ttft)} ms "
+          f"{'on' if args.cached else 'off'}: TTFT median {median(ttft)} ms "
           f"(p90 {sorted(ttft)[math.ceil(0.9 * len(ttft)) - 1]:.3f}) = add_request {median(add_ms)} + steps "
           f"{median(steps_ms)} ms ({statistics.median(num_steps):g} step calls)")
     if profiling:

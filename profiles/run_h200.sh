@@ -29,8 +29,6 @@
 #                                      mixed steps (one forward) beside a prompt forward then the decode's
 #   prefix-prefill-tiles               bench_prefix_prefill.py: the prefix-prefill kernel's tiles for a prompt part
 #                                      over a long cached context
-#   prefix-prefill-merge               the same kernel's splits merged by a second kernel or the last split, block
-#                                      ids a tile ahead or not; then prompt_latency.py's cached TTFT with each
 #   serving-chunked                    2048-token prompts keeping ~32 sequences decoding: unchunked, then chunked
 #                                      with step budgets of 256, 512, 1024, 2048 tokens (BUDGETS=, RATE=, MIXED=
 #                                      set them); prefix caching off (random prompts share nothing)
@@ -217,17 +215,6 @@ for stage in $stages; do
     prefix-prefill-tiles)
       log "bench_prefix_prefill.py: the prefix-prefill kernel's tiles for prompt parts over long contexts"
       python profiles/bench_prefix_prefill.py --json "$OUT/prefix_prefill_tiles_$TAG.json" || status=1
-      ;;
-    prefix-prefill-merge)
-      # The launcher's tiles with the splits merged by a second kernel or by the last split, block ids a
-      # tile ahead or not: the kernel alone, then one request's cached TTFT, alternating.
-      log "bench_prefix_prefill.py --variants-only"
-      python profiles/bench_prefix_prefill.py --variants-only --json "$OUT/prefix_prefill_merge_$TAG.json" || status=1
-      for round in 1 2; do
-        for variant in second-kernel in-kernel in-kernel-ahead; do
-          python profiles/prompt_latency.py --cached --prefix-prefill "$variant" | grep "prompt latency" || status=1
-        done
-      done
       ;;
     serving-chunked)
       log "graphrt bench: the 1B shape's decode step at batch 32, context 2048 (the ITL to hold under arrivals)"

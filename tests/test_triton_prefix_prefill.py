@@ -56,8 +56,6 @@ class Case:
     window: int | None = None
     tiles: tuple[int, int] | None = None  # (block_r, block_n) override; None: the launcher's choice
     splits: int | None = None  # context splits; None: the launcher's choice (1 on the CPU)
-    merge_in_kernel: bool | None = None  # None: the module's default
-    block_ids_ahead: bool | None = None
 
 
 def _alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -118,8 +116,6 @@ def run_case(case: Case, seed: int) -> None:
         block_r=block_r,
         block_n=block_n,
         num_splits=case.splits,
-        merge_in_kernel=case.merge_in_kernel,
-        block_ids_ahead=case.block_ids_ahead,
     )
     out = out.cpu().float()
     assert not out.isnan().any(), "an output row was left unwritten or read a slot it does not own"
@@ -165,17 +161,6 @@ CPU_CASES = {
                                              window=9, tiles=(16, 16), splits=5),
     "split2-fp8-gqa4-d64": Case(4, 1, 64, 16, [0, 31, 50], [4, 2, 6], torch.float16, fp8_cache=True,
                                 tiles=(16, 16), splits=2),
-    # The same with the last split of each row tile merging (no second kernel), and with each key tile's
-    # block ids loaded a tile ahead (a split's last tile then loads ids past its run: masked).
-    "merged3-fp32-gqa2-d64-boundaries": Case(4, 2, 64, 16, _boundary_contexts(16, 70), [2, 3, 18, 1, 4, 6],
-                                             torch.float32, tiles=(16, 16), splits=3, merge_in_kernel=True),
-    "merged5-ahead-bf16-mqa-d80-window-alibi": Case(4, 1, 80, 16, [0, 29, 64], [12, 3, 20], torch.bfloat16,
-                                                    alibi=True, window=9, tiles=(16, 16), splits=5,
-                                                    merge_in_kernel=True, block_ids_ahead=True),
-    "merged2-ahead-fp8-gqa4-d64": Case(4, 1, 64, 16, [0, 31, 50], [4, 2, 6], torch.float16, fp8_cache=True,
-                                       tiles=(16, 16), splits=2, merge_in_kernel=True, block_ids_ahead=True),
-    "ahead-fp32-gqa2-d64-boundaries": Case(4, 2, 64, 16, _boundary_contexts(16, 37), [2, 3, 18, 1, 4, 6],
-                                           torch.float32, tiles=(16, 16), block_ids_ahead=True),
 }
 
 
@@ -186,21 +171,6 @@ CPU_CASES = {
 )
 def test_prefix_prefill_small(name):
     run_case(CPU_CASES[name], seed=zlib.crc32(name.encode()))
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and INTERPRETER_MISSED,
-    reason="triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
-)
-def test_in_kernel_merge_leaves_its_counts_at_zero_for_the_next_launch():
-    """The last split of each row tile resets its count: a second launch on the same counts (as a graph
-    replay makes) merges again (an unmerged row would stay NaN)."""
-    case = CPU_CASES["merged3-fp32-gqa2-d64-boundaries"]
-    run_case(case, seed=5)
-    counts = tpp.arrival_counts(torch.device(DEVICE), 1)
-    assert counts is not None and not counts.any()
-    run_case(case, seed=5)
-    assert not counts.any()
 
 
 def test_rejects_unsupported_head_size():
@@ -235,14 +205,6 @@ def _gpu_cases() -> dict[str, Case]:
     cases["split4-gqa4-d128"] = Case(32, 8, 128, 16, splits=4, **mixed)
     cases["split8-window33-mqa-d64-fp16"] = Case(16, 1, 64, 32, dtype=torch.float16, window=33, splits=8, **mixed)
     cases["auto-splits-1b-chunk"] = Case(32, 8, 64, 16, [0, 1500, 2047], [96, 64, 1], dtype=torch.bfloat16)
-    cases["merged-auto-splits-1b-chunk"] = Case(32, 8, 64, 16, [0, 1500, 2047], [96, 64, 1], dtype=torch.bfloat16,
-                                                merge_in_kernel=True)
-    cases["merged-ahead-split4-gqa4-d128"] = Case(32, 8, 128, 16, splits=4, merge_in_kernel=True,
-                                                  block_ids_ahead=True, **mixed)
-    cases["merged-ahead-fp8-split8-mqa-d64"] = Case(8, 1, 64, 32, dtype=torch.float16, fp8_cache=True, splits=8,
-                                                    merge_in_kernel=True, block_ids_ahead=True, **mixed)
-    cases["ahead-window-alibi-fp8-gqa8-d128"] = Case(32, 4, 128, 16, alibi=True, window=100, fp8_cache=True,
-                                                     block_ids_ahead=True, **mixed)
     return cases
 
 
