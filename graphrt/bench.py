@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphrt.base.errors import ConfigError
-from graphrt.base.files import replaced_when_done, write_json
+from graphrt.base.files import write_json
+from graphrt.base.plots import plain_log_labels, pyplot, save_figure, ticks_at
 from graphrt.config import resolve_device, resolve_dtype
 from graphrt.engine import LLMEngine
 from graphrt.sampling.params import SamplingParams
@@ -291,11 +292,7 @@ def format_row(r: BenchRow) -> str:
 
 def write_plot(result: dict, path: str) -> None:
     """ms/step against batch size, one line per (mode, context), log-log, floor dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for context, q in sorted({(r["context"], r.get("query_tokens", 1)) for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["context"] == context and r.get("query_tokens", 1) == q]
@@ -313,14 +310,14 @@ def write_plot(result: dict, path: str) -> None:
             ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label=f"HBM floor, {point}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
+    ticks_at(ax.xaxis, [r["batch_size"] for r in result["rows"]])
     ax.set_xlabel("batch size")
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"{result['model']} ({result['dtype']}) on {result['device']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with replaced_when_done(path) as partial:
-        fig.savefig(partial, dpi=120)
+    save_figure(fig, path)
 
 
 def main(args) -> int:

@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from graphrt.base.errors import ConfigError
-from graphrt.base.files import replaced_when_done, write_json
+from graphrt.base.files import write_json
+from graphrt.base.plots import plain_log_labels, pyplot, save_figure
 from graphrt.sampling.params import SamplingParams
 
 
@@ -223,11 +224,7 @@ def format_summary(summary: dict) -> str:
 
 def write_plot(timings: list[RequestTiming], path: str, title: str) -> None:
     """CDFs of TTFT and ITL (ms, log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in (("TTFT", [t.ttft_s for t in timings if t.delivery_s]),
                          ("ITL", [gap for t in timings for gap in t.itl_s])):
@@ -235,14 +232,13 @@ def write_plot(timings: list[RequestTiming], path: str, title: str) -> None:
         if ordered:
             ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
     ax.set_xscale("log")
+    plain_log_labels(ax.xaxis)
     ax.set_xlabel("ms")
     ax.set_ylabel("fraction of requests (TTFT) / of gaps (ITL)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    with replaced_when_done(path) as partial:
-        fig.savefig(partial, dpi=120)
+    save_figure(fig, path)
 
 
 def main(args) -> int:
