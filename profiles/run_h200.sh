@@ -12,6 +12,7 @@
 #   fp8-smoke, bench-fp8               FP8 weights / KV cache: a generate each, then bf16 against FP8 (notes_fp8.md)
 #   bench-fp8-b64                      FP8 weights at batch 64 only (1B, 8B; the FP8 cache at 4096)
 #   tiles-fp8                          tiles_in_step.py: the batch-1 FP8 GEMV tiles chosen in the captured step (8B, 1B)
+#   tiles-fp8-wide                     the same over the wider grid around the first round's winners (--wide)
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
@@ -91,6 +92,14 @@ for stage in $stages; do
         log "tiles_in_step.py $model FP8: each matrix's tiles in the step, then the winners together"
         python profiles/tiles_in_step.py --model "random:$model" --quantization fp8 \
           --json "$OUT/tiles_in_step_fp8_${model}_$TAG.json" | tee "$OUT/tiles_in_step_fp8_${model}_$TAG.txt" || status=1
+      done
+      ;;
+    tiles-fp8-wide)
+      # The second round, around the first one's winners (--wide), the 8B then the 1B.
+      for model in llama-3-8b llama-3.2-1b; do
+        log "tiles_in_step.py $model FP8 --wide"
+        python profiles/tiles_in_step.py --model "random:$model" --quantization fp8 --wide \
+          --json "$OUT/tiles_in_step_fp8_wide_${model}_$TAG.json" | tee "$OUT/tiles_in_step_fp8_wide_${model}_$TAG.txt" || status=1
       done
       ;;
     bench-fp8)
