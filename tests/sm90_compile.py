@@ -26,8 +26,9 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
     ``num_stages``, optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
     multiples of 16, as a launch does for such values; pointers always are). Returns, per case,
-    ``{"shared": bytes, "dependency_waits": n, "dependency_launches": n, "loads_before_wait": n or None}``
-    (grid dependency control instructions in its PTX, and global loads placed before the first wait) or
+    ``{"shared": bytes, "dependency_waits": n, "dependency_launches": n, "loads_before_wait": n or None,
+    "l2_prefetches_before_wait": n or None}`` (grid dependency control instructions in its PTX, and global
+    loads and L2 prefetches placed before the first wait) or
     ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -39,11 +40,12 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
 
 
 def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048,
-              fp8_weight: bool = False) -> dict:
+              fp8_weight: bool = False, prefetch: bool = False) -> dict:
     """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
     "norm", "norm_silu", "silu" or "add" (as tests/test_gemv.py names them); ``config`` a
     ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``); ``fp8_weight``:
-    the weight is FP8 E4M3 codes with per-row float32 scales."""
+    the weight is FP8 E4M3 codes with per-row float32 scales; ``prefetch``: the weight slices after the
+    first are prefetched into L2 (``gemv.prefetch_lines``)."""
     from graphrt.kernels import gemv
 
     pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
@@ -54,7 +56,10 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
                       W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
-                      PDL=pdl)
+                      PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=1)
+    if prefetch:
+        line_elems = gemv.L2_LINE_BYTES // (1 if fp8_weight else 4 if dtype == "fp32" else 2)
+        constexprs.update(PREFETCH_LINES=max(1, config.block_k // line_elems), LINE_ELEMS=line_elems)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched
@@ -88,7 +93,8 @@ def _compile(case: dict) -> dict:
     wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
             "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
-            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global")}
+            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global"),
+            "l2_prefetches_before_wait": None if wait < 0 else ptx[:wait].count("prefetch.global.L2")}
 
 
 if __name__ == "__main__":

@@ -68,8 +68,17 @@ def _cases(pdl: bool) -> list[dict]:
                       "stride_cache_kind": "i64", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, W_SCALED=False,
                           WRITE_CACHE=True,
-                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, THREAD_SUM=1, NORM_BLOCK=2048, PDL=pdl))
-    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope]
+                          QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, THREAD_SUM=1, NORM_BLOCK=2048, PDL=pdl,
+                          PREFETCH_LINES=0, LINE_ELEMS=1))
+    # With their later weight slices prefetched into L2 (gemv.l2_prefetch): gate/up's FP8 codes over
+    # 4 slices, QKV's bf16 weights over 2.
+    gemv_prefetch = gemv_case("gemv-norm-silu-fp8-l2-prefetch", "bf16", "norm_silu",
+                              general_config(4096, silu_mul=True, element_size=1), pdl, 4096, fp8_weight=True,
+                              prefetch=True)
+    qkv_prefetch = {**qkv_rope, "name": "qkv-rope-cache-l2-prefetch",
+                    "constexprs": {**qkv_rope["constexprs"], "PREFETCH_LINES": 16, "LINE_ELEMS": 64}}
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope, gemv_prefetch,
+            qkv_prefetch]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -86,7 +95,12 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         expected = 1 if case["constexprs"]["PDL"] else 0
         assert min(result["dependency_waits"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
+    # L2 prefetches (all before the wait) where asked for only.
+    prefetches = {case["name"]: result["l2_prefetches_before_wait"] for case, result in zip(dependent, results)}
+    assert prefetches.pop("gemv-norm-silu-fp8-l2-prefetch") > 0 and prefetches.pop("qkv-rope-cache-l2-prefetch") > 0
+    assert set(prefetches.values()) == {0}, prefetches
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
+    assert loads_first.pop("gemv-norm-silu-fp8-l2-prefetch") > 0 and loads_first.pop("qkv-rope-cache-l2-prefetch") > 0
     # The first weight slice (gate and up), requested early, and with the norm its weight's first slice.
     unnormed = loads_first.pop("gemv-silu")
     assert loads_first.pop("gemv-norm-silu") > unnormed > 0
