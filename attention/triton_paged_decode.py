@@ -17,6 +17,13 @@ length take part (a graph captured for long contexts runs short sequences with m
 lone live split writes ``out`` directly. One kernel per attention call, not a split kernel and
 a reduce kernel: at batch 1 a separate reduce launch costs a large share of a layer's attention time.
 
+Launched as a programmatic dependent, the kernel can ask L2 for its first K/V tile before it waits for
+the kernel before it (``l2_prefetch``, off by default: ``L2_PREFETCH_FIRST_TILE``): the cache rows of
+earlier steps and the host-uploaded lengths and block tables are final before the step's first kernel,
+so their lines can stream while the QKV kernel finishes, and the loads after the wait find them in L2
+(rows this step writes are written through L2, so a line prefetched before the write is updated, never
+stale: the hint changes no result).
+
 CUDA graphs. The grid is ``(B, KVH, num_splits)``, with ``num_splits`` and the K/V tile chosen on the host
 from the batch size, the *captured maximum* context ``max_seq_len`` and the head counts, never from the
 data (``choose_launch``). Slice
@@ -38,6 +45,11 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.device import multiprocessors
+from graphrt.kernels.gemv import L2_LINE_BYTES, prefetch_to_l2
+
+#: Whether a dependent launch asks L2 for each program's first K/V tile before its wait by default
+#: (``l2_prefetch``): off until a measurement of the captured step says otherwise (profiles/step_ab.py).
+L2_PREFETCH_FIRST_TILE = False
 
 #: Upper bound on splits per (sequence, kv head); the default workspace width.
 MAX_SPLITS = 64
@@ -332,8 +344,14 @@ def _decode_split_kernel(
     FP8_DOT_F16: tl.constexpr,  # fp8 cache: both products in fp16 (one native convert per 2 values)
     BLOCK_IDS_AHEAD: tl.constexpr,  # DecodeConfig.block_ids_ahead
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
+    PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines of a token's K (and V) row to prefetch (0: none)
+    LINE_ELEMS: tl.constexpr = 1,  # cache elements a line holds
 ):
-    wait_for_previous_kernel(PDL)
+    if PREFETCH_LINES > 0:  # the wait comes after the first tile's prefetch, below
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+    else:
+        wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -346,6 +364,21 @@ def _decode_split_kernel(
     slice_len = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
     start = first_key + split * slice_len
     end = tl.minimum(start + slice_len, seq_len)
+    if PREFETCH_LINES > 0:
+        # Lengths and block tables are the host's upload, the rows of earlier steps final: both readable
+        # before the wait (graphrt.kernels.dependent_launch). A line of this step's row, prefetched
+        # before the QKV kernel writes it, is updated in L2 by that write.
+        first = start + tl.arange(0, BLOCK_N)
+        first_ok = first < end
+        first_blocks = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + first // BLOCK_SIZE, mask=first_ok,
+                               other=0).to(tl.int64)
+        lines = (first_blocks * stride_kv_block + (first % BLOCK_SIZE) * stride_kv_token + kv_head * HEAD_SIZE)[:, None] \
+            + tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
+        lines_ok = first_ok[:, None] & (tl.arange(0, PREFETCH_LINES) * LINE_ELEMS < HEAD_SIZE)[None, :]
+        prefetch_to_l2(kv_ptr + lines, lines_ok)
+        prefetch_to_l2(kv_ptr + stride_kv_kind + lines, lines_ok)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -557,6 +590,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     fp8_dot_f16: bool = True,
     dependent_launch: bool = False,
+    l2_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Attend one query token per sequence over its paged K/V; writes and returns ``out``.
 
@@ -575,7 +609,8 @@ def paged_decode_attention(
     (to bf16 through fp32), and measured faster (profiles/notes_paged_decode.md); fp16 keeps more of the
     query's and probabilities' mantissa, and the query is clamped to fp16's range.
     ``dependent_launch``: launch the kernel as a programmatic dependent of the kernel before it (see
-    ``graphrt.kernels.dependent_launch``).
+    ``graphrt.kernels.dependent_launch``); ``l2_prefetch`` (None: ``L2_PREFETCH_FIRST_TILE``; CUDA only,
+    the same results): each program asks L2 for its first K/V tile before its wait.
     """
     batch, num_heads, head_size = query.shape
     if out.shape != query.shape:
@@ -676,6 +711,7 @@ def paged_decode_attention(
         DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         FP8_DOT_F16=fp8_dot_f16 and kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32,
         BLOCK_IDS_AHEAD=cfg.block_ids_ahead,
+        **first_tile_prefetch(kv_cache, head_size, l2_prefetch),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(dependent_launch),
@@ -683,8 +719,21 @@ def paged_decode_attention(
     return out
 
 
+def first_tile_prefetch(kv_cache: torch.Tensor, head_size: int, l2_prefetch: bool | None) -> dict:
+    """The split kernel's ``PREFETCH_LINES`` (the lines a token's K row spans; 0: no prefetch) and
+    ``LINE_ELEMS``: with ``l2_prefetch`` (None: ``L2_PREFETCH_FIRST_TILE``) on CUDA only (the
+    interpreter has no PTX)."""
+    line_elems = max(1, L2_LINE_BYTES // kv_cache.element_size())
+    wanted = L2_PREFETCH_FIRST_TILE if l2_prefetch is None else l2_prefetch
+    if not wanted or kv_cache.device.type != "cuda":
+        return {"PREFETCH_LINES": 0, "LINE_ELEMS": line_elems}
+    return {"PREFETCH_LINES": triton.next_power_of_2(-(-head_size // line_elems)), "LINE_ELEMS": line_elems}
+
+
 __all__ = [
     "DecodeConfig",
+    "L2_PREFETCH_FIRST_TILE",
+    "first_tile_prefetch",
     "compiled_kernel_resources",
     "DecodeWorkspace",
     "MAX_SPLITS",

@@ -13,7 +13,7 @@
 #   bench-fp8-b64                      FP8 weights at batch 64 only (1B, 8B; the FP8 cache at 4096)
 #   tiles-fp8                          tiles_in_step.py: the batch-1 FP8 GEMV tiles chosen in the captured step (8B, 1B)
 #   tiles-fp8-wide                     the same over the wider grid around the first round's winners (--wide)
-#   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels prefetching their weights into L2, off / on
+#   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels and the paged decode prefetching into L2
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
@@ -104,13 +104,16 @@ for stage in $stages; do
       done
       ;;
     prefetch-ab)
-      # The GEMV kernels asking L2 for their later weight slices before the dependent wait, A/B in the
-      # captured step (batch 1): FP8 then bf16 weights, the 8B then the 1B.
+      # At batch 1: the GEMV kernels asking L2 for their later weight slices before the dependent wait,
+      # the paged decode for its first K/V tile, and both, against neither, in the captured step; FP8
+      # then bf16 weights, the 8B then the 1B.
+      gemv=graphrt.kernels.gemv.L2_PREFETCH=True
+      decode=graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True
       for spec in "llama-3-8b fp8" "llama-3.2-1b fp8" "llama-3-8b none" "llama-3.2-1b none"; do
         set -- $spec
-        log "step_ab.py $1 weights $2: gemv.L2_PREFETCH off -> on"
-        python profiles/step_ab.py --model "random:$1" --quantization "$2" --set graphrt.kernels.gemv.L2_PREFETCH=True \
-          --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
+        log "step_ab.py $1 weights $2: L2 prefetch in the GEMV kernels, the decode, both"
+        python profiles/step_ab.py --model "random:$1" --quantization "$2" --set "$gemv" --set "$decode" \
+          --set "$gemv,$decode" --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
       done
       ;;
     bench-fp8)

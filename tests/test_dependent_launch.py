@@ -56,7 +56,7 @@ def _cases(pdl: bool) -> list[dict]:
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
                        SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
                        USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, BLOCK_IDS_AHEAD=False,
-                       PDL=pdl))
+                       PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=1))
     split_fp8 = _case("decode-split-fp8-ids-ahead", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
                       {**split["signature"], "kv_ptr": "*fp8e4nv"},
                       {**split["constexprs"], "HEAD_SIZE": 128, "HEAD_PAD": 128, "FP8_DOT_F16": True,
@@ -77,8 +77,12 @@ def _cases(pdl: bool) -> list[dict]:
                               prefetch=True)
     qkv_prefetch = {**qkv_rope, "name": "qkv-rope-cache-l2-prefetch",
                     "constexprs": {**qkv_rope["constexprs"], "PREFETCH_LINES": 16, "LINE_ELEMS": 64}}
+    split_prefetch = {**split, "name": "decode-split-l2-prefetch",
+                      "constexprs": {**split["constexprs"], "PREFETCH_LINES": 1, "LINE_ELEMS": 64}}
+    split_fp8_prefetch = {**split_fp8, "name": "decode-split-fp8-l2-prefetch",
+                          "constexprs": {**split_fp8["constexprs"], "PREFETCH_LINES": 1, "LINE_ELEMS": 128}}
     return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope, gemv_prefetch,
-            qkv_prefetch]
+            qkv_prefetch, split_prefetch, split_fp8_prefetch]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -97,10 +101,15 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         assert min(result["dependency_launches"], 1) == expected, (case["name"], case["constexprs"]["PDL"], result)
     # L2 prefetches (all before the wait) where asked for only.
     prefetches = {case["name"]: result["l2_prefetches_before_wait"] for case, result in zip(dependent, results)}
-    assert prefetches.pop("gemv-norm-silu-fp8-l2-prefetch") > 0 and prefetches.pop("qkv-rope-cache-l2-prefetch") > 0
+    for name in ("gemv-norm-silu-fp8-l2-prefetch", "qkv-rope-cache-l2-prefetch", "decode-split-l2-prefetch",
+                 "decode-split-fp8-l2-prefetch"):
+        assert prefetches.pop(name) > 0, name
     assert set(prefetches.values()) == {0}, prefetches
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
     assert loads_first.pop("gemv-norm-silu-fp8-l2-prefetch") > 0 and loads_first.pop("qkv-rope-cache-l2-prefetch") > 0
+    # The prefetching split kernel reads the host's lengths and block table before its wait, nothing else.
+    for name in ("decode-split-l2-prefetch", "decode-split-fp8-l2-prefetch"):
+        assert loads_first.pop(name) > 0, name
     # The first weight slice (gate and up), requested early, and with the norm its weight's first slice.
     unnormed = loads_first.pop("gemv-silu")
     assert loads_first.pop("gemv-norm-silu") > unnormed > 0

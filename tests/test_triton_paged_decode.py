@@ -491,6 +491,31 @@ def test_split_merge_is_deterministic_on_gpu(batch, kv_heads, head_size, length)
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("case", [
+    Case(1, 32, 8, 128, 16, [513]), Case(8, 32, 8, 64, 16, [2048, 1, 15, 16, 17, 600, 31, 1000]),
+    Case(4, 32, 8, 128, 16, [4096, 77, 9, 300], cache_dtype=FP8), Case(3, 32, 4, 96, 32, [900, 33, 1], alibi=True,
+                                                                     window=100)], ids=str)
+def test_first_tile_prefetch_changes_no_bit_on_gpu(case):
+    """Each program asking L2 for its first K/V tile before its dependent wait (``l2_prefetch``): the same
+    bits as without, launched as a dependent (a kernel runs before it, as in the step)."""
+    inputs = make_inputs(case, seed=case.batch)
+    outs = []
+    for prefetch in (False, True):
+        out = torch.full_like(inputs["query"], float("nan"))
+        inputs["query"].mul_(1.0)  # a kernel for the launch to depend on
+        tpd.paged_decode_attention(
+            out, inputs["query"], inputs["kv_cache"], inputs["block_tables"], inputs["seq_lens"],
+            max(case.seq_lens), case.head_size ** -0.5, case.num_kv_heads, case.block_size,
+            alibi_slopes=inputs["alibi_slopes"], sliding_window=case.window, k_scale=inputs["k_scale"],
+            v_scale=inputs["v_scale"], dependent_launch=torch.cuda.get_device_capability()[0] >= 9,
+            l2_prefetch=prefetch)
+        outs.append(out)
+    assert_matches_reference(outs[1], reference(case, inputs), case.dtype, str(case))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_batch_past_one_wave_takes_short_tiles_on_gpu():
     """Llama-3-8B's attention at batch 64, captured context 513 (the heuristic's 64-token tiles, one
     split), lengths around block and tile boundaries, against the reference."""
