@@ -18,6 +18,7 @@ sequence (its newest token and q - 1 drafts), B x q rows in one graph; the floor
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -321,9 +322,11 @@ def write_plot(result: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    resolve_device(args.device)  # a device torch does not see is refused before the table starts
+    device = resolve_device(args.device)  # a device torch does not see is refused before the table starts
     if args.tensor_parallel_size > 1:
         return _main_parallel(args)
+    if args.compare_unfused and device.type != "cuda":
+        print("graphrt bench: --compare-unfused times CUDA graphs; on the CPU its column stays empty", file=sys.stderr)
     storage = [f"{args.quantization} weights"] if args.quantization else []
     storage += [f"{args.kv_cache_dtype} KV cache"] if args.kv_cache_dtype != "auto" else []
     if storage:

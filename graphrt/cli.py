@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serves one model over the OpenAI API: POST /v1/completions and /v1/chat/completions "
         "(stream: true sends server-sent events), GET /v1/models and /health. Concurrent requests batch "
         "together in the engine. Listens on 127.0.0.1 unless --host says otherwise; with an API key (--api-key "
-        "or GRAPHRT_API_KEY) every /v1 request needs 'Authorization: Bearer KEY'. Without --model the default "
-        "model.",
+        "or GRAPHRT_API_KEY) every /v1 request needs 'Authorization: Bearer KEY'. The model needs a tokenizer "
+        "(random presets have none). Without --model the default model.",
     )
     add_model_arguments(serve, default_model=None)
     add_engine_arguments(serve)
@@ -311,6 +311,10 @@ def _run_serve(args: argparse.Namespace) -> int:
                 llm.close()
             finally:
                 signal.signal(signal.SIGINT, interrupt)
+        if server.failure is not None:
+            print(f"graphrt: error: the engine failed ({type(server.failure).__name__}: {server.failure}); the "
+                  "server stopped", file=sys.stderr)
+            return EXIT_REQUEST_ERROR
     return 0
 
 

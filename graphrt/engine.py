@@ -857,13 +857,10 @@ class LLMEngine:
                 "which leaves no room for a generated token"
             )
         room = self.max_model_len - len(token_ids)
-        if params.max_tokens > room:
-            message = (f"prompt of {len(token_ids)} tokens leaves room for {room} of the {params.max_tokens} "
-                       f"tokens asked (max_model_len {self.max_model_len}{origin})")
-            if self.config.strict_max_tokens:
-                raise InvalidRequestError(
-                    message + "; lower max_tokens or raise max_model_len (--max-tokens, --max-model-len)")
-            logger.warning("%s: the request stops there (finish_reason 'length')", message)
+        cut = (f"prompt of {len(token_ids)} tokens leaves room for {room} of the {params.max_tokens} tokens asked "
+               f"(max_model_len {self.max_model_len}{origin})") if params.max_tokens > room else None
+        if cut and self.config.strict_max_tokens:
+            raise InvalidRequestError(cut + "; lower max_tokens or raise max_model_len (--max-tokens, --max-model-len)")
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         # The last token is sampled, never fed back: its K/V needs no slot.
         needed = self.block_manager.blocks_needed(longest - 1)
@@ -872,6 +869,8 @@ class LLMEngine:
                 f"request may grow to {longest} tokens ({needed} KV blocks) but the cache has only "
                 f"{self.block_manager.num_usable_blocks} blocks; lower max_tokens or enlarge the cache"
             )
+        if cut:  # only for a request accepted: a refused one must not be told where it would stop
+            logger.warning("%s: the request stops there (finish_reason 'length')", cut)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer, and model {self.config.model!r} has none: "
                                       "use stop_token_ids")

@@ -415,6 +415,18 @@ def test_a_prompt_that_leaves_too_little_room_warns_or_is_refused_when_strict(ca
         LLM("random:tiny", device="cpu", strict_max_tokens="yes")
 
 
+def test_a_request_the_cache_cannot_hold_is_refused_without_a_length_warning(caplog):
+    """max_model_len above what the KV cache holds: a request that may grow past the cache is refused,
+    and not first told where max_model_len would stop it (the two messages used to contradict)."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with LLM("random:tiny", device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=8, block_size=16,
+             progress=False) as llm:
+        with caplog.at_level("WARNING", logger="graphrt.engine"):
+            [out] = llm.generate([[1, 2, 3]], params)
+    assert out.finish_reason == "error" and "but the cache has only 7 blocks" in out.error
+    assert "stops there" not in caplog.text and "leaves room" not in caplog.text
+
+
 def test_cli_version(capsys):
     import graphrt
 

@@ -261,6 +261,30 @@ def test_models_and_health(served):
     assert _raw(server, "GET", "/health") == (200, {"status": "ok"})  # no key needed
 
 
+def test_a_failed_engine_step_answers_503_and_ends_the_server():
+    """A step that raises leaves the engine untrustworthy: the open request gets 503 naming the failure,
+    and ``wait`` returns with ``failure`` set (``graphrt serve`` then exits 1) instead of the server
+    answering 503 for ever."""
+    llm = LLM(dtype="float32", device="cpu", progress=False, max_model_len=128, max_num_seqs=2)
+    server = Server(llm, "127.0.0.1", 0)
+    server.start()
+    try:
+        def broken_step():
+            raise RuntimeError("the device went away")
+
+        llm.engine.step = broken_step
+        status, body = _raw(server, "POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+        assert status == 503 and "the engine failed: RuntimeError: the device went away" in body["error"]["message"]
+        waited = threading.Thread(target=server.wait)
+        waited.start()
+        waited.join(10)
+        assert not waited.is_alive() and isinstance(server.failure, RuntimeError)
+    finally:
+        server.stop()
+        llm.close()
+
+
 # -- bad requests ---------------------------------------------------------------------------------
 
 

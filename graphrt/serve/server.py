@@ -1,7 +1,9 @@
 """``graphrt serve``: one model behind the OpenAI API, its engine stepping on a thread of its own.
 
 ``Server.start`` serves from background threads (HTTP, and the engine loop) and returns once it
-listens; ``wait`` blocks until Ctrl-C; ``stop`` ends both threads. ``run`` is the three in turn.
+listens; ``wait`` blocks until Ctrl-C, or until the engine fails (a step raised: its state cannot be
+trusted, so the server ends rather than answer 503 forever; ``failure`` says why, and ``graphrt serve``
+exits non-zero for a supervisor to restart it); ``stop`` ends both threads. ``run`` is the three in turn.
 """
 
 from __future__ import annotations
@@ -78,10 +80,16 @@ class Server:
             time.sleep(0.02)
         self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What a failed engine step raised (None while the engine runs, or after a plain stop)."""
+        return self.loop.failure
+
     def wait(self) -> None:
-        """Block until the server ends; Ctrl-C returns (``stop`` then ends it)."""
+        """Block until the server ends or its engine fails (``failure``); Ctrl-C returns (``stop`` then
+        ends it)."""
         try:
-            while self._thread is not None and self._thread.is_alive():
+            while self._thread is not None and self._thread.is_alive() and self.loop.failure is None:
                 self._thread.join(0.5)
         except KeyboardInterrupt:
             pass
