@@ -26,6 +26,12 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert len(table) == 3
 
 
+def test_compare_unfused_on_the_cpu_says_its_column_stays_empty(capsys):
+    assert main(["bench", "--model", "random:tiny", "--device", "cpu", "--batch-sizes", "1", "--contexts", "8",
+                 "--steps", "1", "--compare-unfused"]) == 0
+    assert "--compare-unfused times CUDA graphs; on the CPU its column stays empty" in capsys.readouterr().err
+
+
 def test_bench_times_verify_steps_of_several_rows_a_sequence(tmp_path):
     """``--query-tokens 1,3``: each point also as a verify step, 3 consecutive rows a sequence on its table."""
     out_json = tmp_path / "bench.json"
