@@ -14,6 +14,7 @@
 #   tiles-fp8                          tiles_in_step.py: the batch-1 FP8 GEMV tiles chosen in the captured step (8B, 1B)
 #   tiles-fp8-wide                     the same over the wider grid around the first round's winners (--wide)
 #   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels and the paged decode prefetching into L2
+#   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch, + L2 prefetch
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
@@ -114,6 +115,18 @@ for stage in $stages; do
         log "step_ab.py $1 weights $2: L2 prefetch in the GEMV kernels, the decode, both"
         python profiles/step_ab.py --model "random:$1" --quantization "$2" --set "$gemv" --set "$decode" \
           --set "$gemv,$decode" --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
+      done
+      ;;
+    rows-dependent-ab)
+      # FP8 at batch 8 and 64: the rows kernel launched as a programmatic dependent, then also prefetching
+      # its weights into L2, against neither, in the captured step (the 8B, then the 1B at batch 8).
+      dependent=graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True
+      prefetch=graphrt.kernels.fp8_matmul.ROWS_L2_PREFETCH=True
+      for spec in "llama-3-8b 8" "llama-3-8b 64" "llama-3.2-1b 8"; do
+        set -- $spec
+        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent, then with its L2 prefetch"
+        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" --set "$dependent" \
+          --set "$dependent,$prefetch" --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
       done
       ;;
     bench-fp8)

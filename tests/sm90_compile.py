@@ -93,7 +93,7 @@ def _compile(case: dict) -> dict:
     wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
             "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
-            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global"),
+            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global") + ptx[:wait].count("cp.async.c"),
             "l2_prefetches_before_wait": None if wait < 0 else ptx[:wait].count("prefetch.global.L2")}
 
 

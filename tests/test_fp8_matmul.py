@@ -279,3 +279,65 @@ def test_w8a16_clamps_activations_to_the_float16_range():
     expected = clamped @ (codes.double() * scale.double()[:, None]).T
     terms = clamped.abs() @ (codes.double() * scale.double()[:, None]).abs().T
     assert ((got.double() - expected).abs() <= 2**-8 * expected.abs() + 2**-20 * terms).all()
+
+
+# -- the rows kernel as a programmatic dependent, with its weights prefetched into L2 ---------------------
+
+
+def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait():
+    """sm_90: launched as a dependent, the rows kernel reads nothing before its wait (x comes from the
+    kernel before, and the split scratch must not be touched while that kernel may still use it); with
+    the prefetch, its weight lines are asked for before the wait."""
+    from sm90_compile import compile_for_sm90
+
+    signature = {**{name: "*bf16" for name in ("x_ptr", "bias_ptr", "out_ptr")}, "w_ptr": "*fp8e4nv",
+                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
+                 **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
+    cases = []
+    for x_codes, split_k, prefetch in ((False, 4, False), (False, 4, True), (True, 1, True)):
+        signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {})}
+        cases.append(dict(
+            name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'-prefetch' if prefetch else ''}",
+            module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
+            constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
+                            BLOCK_N=64, BLOCK_K=256, PDL=True, PREFETCH_LINES=2 if prefetch else 0,
+                            LINE_ELEMS=128),
+            num_warps=4, num_stages=4, launch_pdl=True,
+            aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
+    for case, result in zip(cases, compile_for_sm90(cases)):
+        assert "error" not in result, (case["name"], result)
+        assert result["dependency_waits"] >= 1 and result["dependency_launches"] >= 1, case["name"]
+        assert result["loads_before_wait"] == 0, (case["name"], result)
+        prefetched = case["constexprs"]["PREFETCH_LINES"] > 0
+        assert (result["l2_prefetches_before_wait"] > 0) == prefetched, (case["name"], result)
+
+
+def test_fp8_layers_take_the_models_dependent_launch():
+    from graphrt.attention.reference import ReferenceAttentionBackend
+    from graphrt.loader.random_presets import PRESETS
+    from graphrt.models.fp8 import Fp8Linear
+    from graphrt.models.llama import LlamaForCausalLM
+
+    for dependent in (False, True):
+        model = LlamaForCausalLM(PRESETS["tiny"], ReferenceAttentionBackend, 64, torch.bfloat16, "meta",
+                                 fused_kernels=True, dependent_launch=dependent, quantization="fp8")
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        assert layers and all(layer.dependent_launch is dependent for layer in layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [2, 8, 16, 64])
+@pytest.mark.parametrize("out_features,in_features", [(2048, 8192), (6144, 4096), (4096, 14336), (28672, 4096)])
+def test_rows_kernel_as_a_dependent_with_prefetch_changes_no_bit_gpu(rows, out_features, in_features):
+    """The rows kernel launched as a dependent (after a kernel that writes its input) with its weights
+    prefetched into L2: the same bits as the plain launch, on both paths (W8A16 and FP8 x FP8), split or
+    not."""
+    dependent = torch.cuda.get_device_capability()[0] >= 9
+    codes, scale = quantize_per_channel(torch.randn(out_features, in_features, device=DEVICE) * in_features**-0.5)
+    x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
+    for function in (fp8_matmul.w8a16_matmul, fp8_matmul.scaled_mm):
+        plain = function(x, codes, scale)
+        x.mul_(1.0)  # a kernel writing the input just before the dependent launch
+        early = function(x, codes, scale, dependent_launch=dependent, l2_prefetch=True)
+        assert torch.equal(plain, early), function.__name__

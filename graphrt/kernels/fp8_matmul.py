@@ -21,6 +21,12 @@ side, so 2-64 tokens fill an MMA without padding to 64; where a matrix has too f
 the GPU it splits K over several programs, the last to finish adding their partial sums (``rows_tile``).
 Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
 ``w8a16_is_faster``).
+
+Two switches, off until a measurement of the captured step says otherwise (``profiles/step_ab.py``):
+``ROWS_DEPENDENT_LAUNCH``, the rows kernel launched as a programmatic dependent of the kernel before it
+(``graphrt.kernels.dependent_launch``: its programs start during that kernel's tail and wait before they
+read its output), and ``ROWS_L2_PREFETCH``, each program asking L2 for its weight range when it starts,
+before that wait (with the dependent launch, while the kernel before it, attention say, still runs).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
+from graphrt.kernels.gemv import L2_LINE_BYTES, prefetch_to_l2
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -143,6 +151,11 @@ def supports_shape(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
+#: Whether the decoder's FP8 layers launch the rows kernel as a programmatic dependent (where the model
+#: launches its kernels so) by default, and whether its programs prefetch their weight range into L2.
+ROWS_DEPENDENT_LAUNCH = False
+ROWS_L2_PREFETCH = False
+
 #: Most rows ``scaled_mm`` runs on the Triton kernel (``_weight_rows_kernel``); more go to cuBLAS
 #: (``torch._scaled_mm``). At 8 and 64 rows of the Llama-3-8B and 1B matrices the Triton kernel at its
 #: default tile took 0.60-0.93x cuBLAS's time (profiles/notes_fp8.md); above, prefill-sized products
@@ -151,7 +164,8 @@ TRITON_MAX_ROWS = 64
 
 
 def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, tile: RowsTile | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, tile: RowsTile | None = None, *, dependent_launch: bool = False,
+              l2_prefetch: bool | None = None) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` on FP8 tensor cores, x quantised per row.
 
     x: [M, K] 16-bit or float32 on CUDA, or ``QuantizedRows`` its producer already quantised (then no
@@ -161,6 +175,8 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     accumulator, about 14 bits, is added into float32 registers every K slice); more rows:
     ``torch._scaled_mm`` with row-wise scales, written in bfloat16 (the one output type row-wise
     scaling takes) and converted when x is not bfloat16. No host sync: safe inside a CUDA graph.
+    ``dependent_launch``, ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``): the Triton kernel's launch as a
+    programmatic dependent and its programs' L2 prefetch of their weights (the module docstring).
     """
     quantized = isinstance(x, QuantizedRows)
     if quantized and (x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],)
@@ -173,7 +189,7 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     _check_bias(weight, bias)
     codes, scales = (x.codes, x.scales) if quantized else quantize_rows(x)
     if codes.shape[0] <= TRITON_MAX_ROWS:
-        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile)
+        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile, dependent_launch, l2_prefetch)
     out = torch._scaled_mm(codes, weight.t(), scale_a=scales[:, None], scale_b=weight_scale[None, :],
                            out_dtype=torch.bfloat16)
     if bias is not None:
@@ -207,6 +223,9 @@ def _weight_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
+    PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines of a weight row's K slice (0: no prefetch)
+    LINE_ELEMS: tl.constexpr = 128,  # codes a line holds
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -219,6 +238,17 @@ def _weight_rows_kernel(
     row_ok, col_ok = rows < M, cols < N
     k_begin = tl.program_id(2) * slices_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH_LINES > 0:  # the weights are static: asked for before the wait
+        lines = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
+        row_starts = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+        for k in range(k_begin, k_end, BLOCK_K):
+            prefetch_to_l2(row_starts + k + lines, col_ok[:, None] & (k + lines < k_end))
+    if PDL:
+        # x (a kernel of the step wrote it), the split scratch and the output only after the kernel before
+        # has finished: a launch that started early never meets the one before it on the scratch.
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         if EVEN:
@@ -338,7 +368,8 @@ def w8a16_is_faster(tile: RowsTile) -> bool:
 #: and never freed or moved, so captured graphs keep valid addresses; ``rows_tile``'s splits need at most
 #: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64. One scratch for the device: split
 #: launches must not run concurrently on it (graphrt runs its forwards and graph replays on one stream,
-#: and the kernel is never launched as a programmatic dependent, so each launch ends before the next).
+#: so each launch ends before the next; one launched as a programmatic dependent starts early but touches
+#: the scratch only after its wait, when the launch before it has ended).
 PARTIAL_CAPACITY = 1 << 22
 ARRIVAL_CAPACITY = 1 << 13
 _split_scratch: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -364,8 +395,10 @@ def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[t
 
 
 def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None) -> torch.Tensor:
-    """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None)."""
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None,
+                 dependent_launch: bool = False, l2_prefetch: bool | None = None) -> torch.Tensor:
+    """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None);
+    ``dependent_launch``, ``l2_prefetch``: as ``scaled_mm``'s."""
     if x.stride(-1) != 1:
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
@@ -390,12 +423,22 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
         slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
         SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **_prefetch_lines(x.device, tile, l2_prefetch), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(dependent_launch))
     return out
 
 
+def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | None) -> dict:
+    """The rows kernel's ``PREFETCH_LINES`` (a weight row's K slice in lines; 0: none) and ``LINE_ELEMS``:
+    with ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``) on CUDA only (the interpreter has no PTX)."""
+    wanted = ROWS_L2_PREFETCH if l2_prefetch is None else l2_prefetch
+    lines = max(1, tile.block_k // L2_LINE_BYTES) if wanted and device.type == "cuda" else 0
+    return {"PREFETCH_LINES": lines, "LINE_ELEMS": L2_LINE_BYTES}
+
+
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, tile: RowsTile | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tile: RowsTile | None = None, *, dependent_launch: bool = False,
+                 l2_prefetch: bool | None = None) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` with the codes widened in registers (W8A16).
 
     x: [M, K] (columns contiguous) 16-bit or float32; weight: [N, K] float8_e4m3fn, contiguous;
@@ -404,11 +447,11 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     code, and for activations of magnitude 2**-14 to 65504 (every bfloat16 value in that range is a
     float16 one; smaller ones lose bits below 2**-24, larger ones are clamped to 65504). float32
     activations multiply in float32. Any M; built for a few rows (``rows_tile``). No host sync: safe
-    inside a CUDA graph.
+    inside a CUDA graph. ``dependent_launch``, ``l2_prefetch``: as ``scaled_mm``'s.
     """
     _check_weight(x, weight, weight_scale)
     _check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile)
+    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, l2_prefetch)
 
 
 def _check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

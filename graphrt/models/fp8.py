@@ -157,7 +157,8 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None,
-                 scale_columns: int | None = None, tensor_cores: bool = False, w8a16_max_tokens: int = 0) -> None:
+                 scale_columns: int | None = None, tensor_cores: bool = False, w8a16_max_tokens: int = 0,
+                 dependent_launch: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scale_columns = in_features, out_features, scale_columns
         scale_shape = (out_features,) if scale_columns is None else (out_features, -(-in_features // scale_columns))
@@ -167,6 +168,9 @@ class Fp8Linear(nn.Module):
         self.tensor_cores = (tensor_cores and scale_columns is None and out_features % 16 == 0
                              and in_features % 16 == 0)  # fp8_matmul.supports_shape, without importing Triton
         self.w8a16_max_tokens = w8a16_max_tokens
+        #: The model launches its fused kernels as programmatic dependents: the rows kernel may be one too
+        #: (where ``fp8_matmul.ROWS_DEPENDENT_LAUNCH`` says so).
+        self.dependent_launch = dependent_launch
 
     @property
     def row_scales(self) -> torch.Tensor | None:
@@ -227,11 +231,12 @@ class Fp8Linear(nn.Module):
         if path is not None:
             fp8_activations, tile = path
             kernels = _fp8_matmul()
+            launch = {"dependent_launch": self.dependent_launch and kernels.ROWS_DEPENDENT_LAUNCH}
             if fp8_activations:
-                return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias, tile=tile)
+                return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias, tile=tile, **launch)
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"this layer takes 16-bit activations for {x.shape[0]} tokens, not quantized rows")
-            return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias, tile=tile)
+            return kernels.w8a16_matmul(x, self.weight, self.weight_scale, self.bias, tile=tile, **launch)
         if not isinstance(x, torch.Tensor):
             raise ValueError("quantized rows need the CUDA FP8 kernels with row scales")
         return nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)

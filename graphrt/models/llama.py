@@ -54,7 +54,8 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype, device, poli
     if policy.quantization is None:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     return Fp8Linear(in_features, out_features, bias, dtype, device, scale_columns=policy.weight_scale_columns,
-                     tensor_cores=policy.fp8_tensor_cores, w8a16_max_tokens=policy.w8a16_max_tokens)
+                     tensor_cores=policy.fp8_tensor_cores, w8a16_max_tokens=policy.w8a16_max_tokens,
+                     dependent_launch=policy.dependent_launch)
 
 
 def _quantizes_input(linear: nn.Module, rows: int, device: torch.device, policy: KernelPolicy) -> bool:
