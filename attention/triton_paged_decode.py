@@ -45,7 +45,7 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.gemv import L2_LINE_BYTES, prefetch_to_l2
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2
 
 #: Whether a dependent launch asks L2 for each program's first K/V tile before its wait by default
 #: (``l2_prefetch``): off until a measurement of the captured step says otherwise (profiles/step_ab.py).

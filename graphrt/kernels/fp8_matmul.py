@@ -40,7 +40,7 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.gemv import L2_LINE_BYTES, prefetch_to_l2
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn

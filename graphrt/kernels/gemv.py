@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2
 from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
@@ -96,18 +97,6 @@ def _slice_sums(products, BLOCK_K: tl.constexpr, THREAD_SUM: tl.constexpr):
 #: Whether the kernels prefetch their weight slices into L2 by default (``l2_prefetch``): off until a
 #: measurement of the captured step says otherwise (profiles/step_ab.py).
 L2_PREFETCH = False
-#: Bytes one L2 prefetch asks for: a cache line.
-L2_LINE_BYTES = 128
-
-
-@triton.jit
-def prefetch_to_l2(ptrs, mask):
-    """Asks L2 for the cache line of each pointer in ``ptrs`` where ``mask`` holds (any shape, one
-    request a pointer; predicated, so masked-off pointers, which may lie past the tensor, are never
-    touched). A hint that loads nothing into registers; CUDA only (the interpreter has no PTX)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -1,0 +1,26 @@
+"""Asking L2 for bytes a kernel will read, before it reads them: ``prefetch.global.L2``, a hint that
+loads nothing into registers and changes no result. A kernel launched as a programmatic dependent
+(``graphrt.kernels.dependent_launch``) may issue it for static bytes (weights, earlier steps' cache rows)
+before its wait, so that they stream while the kernel before it finishes. CUDA only: the interpreter has
+no PTX, so callers pass the prefetch's constexprs as off there."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Bytes one prefetch asks for: a cache line.
+L2_LINE_BYTES = 128
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """Asks L2 for the cache line of each pointer in ``ptrs`` where ``mask`` holds (any shape, one
+    request a pointer; predicated, so masked-off pointers, which may lie past the tensor, are never
+    touched)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+__all__ = ["L2_LINE_BYTES", "prefetch_to_l2"]
