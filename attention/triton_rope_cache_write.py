@@ -150,6 +150,7 @@ def _qkv_rope_cache_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     PREFETCH_LINES: tl.constexpr = 0,  # gemv.prefetch_lines
     LINE_ELEMS: tl.constexpr = 1,
+    PREFETCH_SLICES: tl.constexpr = 1,
 ):
     HALF = HEAD_SIZE // 2
     token = tl.program_id(0)  # tokens first: one tile's programs for every token run back to back
@@ -174,7 +175,8 @@ def _qkv_rope_cache_kernel(
         second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
     first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
                                          x_row, scale_ptr, K, eps, NORM, True, False, W_SCALED, BLOCK_K, THREAD_SUM,
-                                         NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS)
+                                         NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS,
+                                         PREFETCH_SLICES)
     if HAS_BIAS:
         first += first_bias
         second += second_bias

@@ -109,12 +109,13 @@ for stage in $stages; do
       # the paged decode for its first K/V tile, and both, against neither, in the captured step; FP8
       # then bf16 weights, the 8B then the 1B.
       gemv=graphrt.kernels.gemv.L2_PREFETCH=True
+      deeper=graphrt.kernels.gemv.L2_PREFETCH_SLICES=3
       decode=graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True
       for spec in "llama-3-8b fp8" "llama-3.2-1b fp8" "llama-3-8b none" "llama-3.2-1b none"; do
         set -- $spec
-        log "step_ab.py $1 weights $2: L2 prefetch in the GEMV kernels, the decode, both"
-        python profiles/step_ab.py --model "random:$1" --quantization "$2" --set "$gemv" --set "$decode" \
-          --set "$gemv,$decode" --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
+        log "step_ab.py $1 weights $2: L2 prefetch in the GEMV kernels (one slice ahead, three), the decode, both"
+        python profiles/step_ab.py --model "random:$1" --quantization "$2" --set "$gemv" --set "$gemv,$deeper" \
+          --set "$decode" --set "$gemv,$decode" --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
       done
       ;;
     rows-dependent-ab)

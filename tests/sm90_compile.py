@@ -56,10 +56,10 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in
     constexprs = dict(NORM=variant.startswith("norm"), EPILOGUE=epilogue, HAS_BIAS=variant == "bias",
                       W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
-                      PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=1)
-    if prefetch:
-        line_elems = gemv.L2_LINE_BYTES // (1 if fp8_weight else 4 if dtype == "fp32" else 2)
-        constexprs.update(PREFETCH_LINES=max(1, config.block_k // line_elems), LINE_ELEMS=line_elems)
+                      PDL=pdl)
+    line_elems = gemv.L2_LINE_BYTES // (1 if fp8_weight else 4 if dtype == "fp32" else 2)
+    constexprs.update(PREFETCH_LINES=max(1, config.block_k // line_elems) if prefetch else 0, LINE_ELEMS=line_elems,
+                      PREFETCH_SLICES=gemv.L2_PREFETCH_SLICES)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched
@@ -93,7 +93,7 @@ def _compile(case: dict) -> dict:
     wait = ptx.find("griddepcontrol.wait")
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
             "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
-            "loads_before_wait": None if wait < 0 else ptx[:wait].count("ld.global") + ptx[:wait].count("cp.async.c"),
+            "loads_before_wait": None if wait < 0 else sum(ptx[:wait].count(op) for op in ("ld.global", "cp.async.ca", "cp.async.cg")),
             "l2_prefetches_before_wait": None if wait < 0 else ptx[:wait].count("prefetch.global.L2")}
 
 

@@ -56,7 +56,7 @@ def _cases(pdl: bool) -> list[dict]:
                   dict(HEAD_SIZE=64, HEAD_PAD=64, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=64,
                        SINGLE_SPLIT=False, GROUP_MERGE=4, SPLITS_PAD=16, SPLITS_CHUNK=16, USE_ALIBI=False,
                        USE_WINDOW=False, DOT_PRECISION=None, DOT_F32=False, FP8_DOT_F16=False, BLOCK_IDS_AHEAD=False,
-                       PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=1))
+                       PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=64))
     split_fp8 = _case("decode-split-fp8-ids-ahead", "graphrt.attention.triton_paged_decode", "_decode_split_kernel",
                       {**split["signature"], "kv_ptr": "*fp8e4nv"},
                       {**split["constexprs"], "HEAD_SIZE": 128, "HEAD_PAD": 128, "FP8_DOT_F16": True,
@@ -69,20 +69,21 @@ def _cases(pdl: bool) -> list[dict]:
                      dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=64, NORM=True, HAS_BIAS=False, W_SCALED=False,
                           WRITE_CACHE=True,
                           QUANTIZE=False, BLOCK_N=4, BLOCK_K=1024, THREAD_SUM=1, NORM_BLOCK=2048, PDL=pdl,
-                          PREFETCH_LINES=0, LINE_ELEMS=1))
+                          PREFETCH_LINES=0, LINE_ELEMS=64, PREFETCH_SLICES=1))
     # With their later weight slices prefetched into L2 (gemv.l2_prefetch): gate/up's FP8 codes over
     # 4 slices, QKV's bf16 weights over 2.
-    gemv_prefetch = gemv_case("gemv-norm-silu-fp8-l2-prefetch", "bf16", "norm_silu",
-                              general_config(4096, silu_mul=True, element_size=1), pdl, 4096, fp8_weight=True,
-                              prefetch=True)
+    fp8_gate_up = general_config(4096, silu_mul=True, element_size=1)
+    gemv_fp8 = gemv_case("gemv-norm-silu-fp8", "bf16", "norm_silu", fp8_gate_up, pdl, 4096, fp8_weight=True)
+    gemv_prefetch = gemv_case("gemv-norm-silu-fp8-l2-prefetch", "bf16", "norm_silu", fp8_gate_up, pdl, 4096,
+                              fp8_weight=True, prefetch=True)
     qkv_prefetch = {**qkv_rope, "name": "qkv-rope-cache-l2-prefetch",
                     "constexprs": {**qkv_rope["constexprs"], "PREFETCH_LINES": 16, "LINE_ELEMS": 64}}
     split_prefetch = {**split, "name": "decode-split-l2-prefetch",
                       "constexprs": {**split["constexprs"], "PREFETCH_LINES": 1, "LINE_ELEMS": 64}}
     split_fp8_prefetch = {**split_fp8, "name": "decode-split-fp8-l2-prefetch",
                           "constexprs": {**split_fp8["constexprs"], "PREFETCH_LINES": 1, "LINE_ELEMS": 128}}
-    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope, gemv_prefetch,
-            qkv_prefetch, split_prefetch, split_fp8_prefetch]
+    return [gemv, gemv_unnormed, gemv_plain, gemv_add, gemv_bias, rope, split, split_fp8, qkv_rope, gemv_fp8,
+            gemv_prefetch, qkv_prefetch, split_prefetch, split_fp8_prefetch]
 
 
 def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
@@ -106,10 +107,13 @@ def test_dependent_kernels_compile_for_sm90_with_their_wait_first():
         assert prefetches.pop(name) > 0, name
     assert set(prefetches.values()) == {0}, prefetches
     loads_first = {case["name"]: result["loads_before_wait"] for case, result in zip(dependent, results)}
-    assert loads_first.pop("gemv-norm-silu-fp8-l2-prefetch") > 0 and loads_first.pop("qkv-rope-cache-l2-prefetch") > 0
-    # The prefetching split kernel reads the host's lengths and block table before its wait, nothing else.
+    # The prefetches add no load before the wait: the same loads as without them.
+    assert loads_first.pop("gemv-norm-silu-fp8-l2-prefetch") == loads_first["gemv-norm-silu-fp8"] > 0
+    assert loads_first.pop("qkv-rope-cache-l2-prefetch") == loads_first["qkv-rope-cache"] > 0
+    assert loads_first.pop("gemv-norm-silu-fp8") > 0
+    # The prefetching split kernel reads the host's length and one block id before its wait, nothing else.
     for name in ("decode-split-l2-prefetch", "decode-split-fp8-l2-prefetch"):
-        assert loads_first.pop(name) > 0, name
+        assert loads_first.pop(name) == 2, name
     # The first weight slice (gate and up), requested early, and with the norm its weight's first slice.
     unnormed = loads_first.pop("gemv-silu")
     assert loads_first.pop("gemv-norm-silu") > unnormed > 0

@@ -294,18 +294,23 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
                  "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
                  **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
     cases = []
-    for x_codes, split_k, prefetch in ((False, 4, False), (False, 4, True), (True, 1, True)):
+    for x_codes, split_k, prefetch, pdl in ((False, 4, False, True), (False, 4, True, True), (True, 1, True, True),
+                                            (False, 4, True, False)):
         signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {})}
         cases.append(dict(
-            name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'-prefetch' if prefetch else ''}",
+            name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'-prefetch' if prefetch else ''}"
+                 f"{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=256, PDL=True, PREFETCH_LINES=2 if prefetch else 0,
-                            LINE_ELEMS=128),
-            num_warps=4, num_stages=4, launch_pdl=True,
+                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, PREFETCH_LINES=2 if prefetch else 0,
+                            LINE_ELEMS=128, PREFETCH_SLICES=fp8_matmul.ROWS_L2_PREFETCH_SLICES),
+            num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
+        if not case["constexprs"]["PDL"]:  # launched plainly: no wait, the prefetch still compiled in
+            assert result["dependency_waits"] == 0 and result["loads_before_wait"] is None, case["name"]
+            continue
         assert result["dependency_waits"] >= 1 and result["dependency_launches"] >= 1, case["name"]
         assert result["loads_before_wait"] == 0, (case["name"], result)
         prefetched = case["constexprs"]["PREFETCH_LINES"] > 0
@@ -330,14 +335,20 @@ def test_fp8_layers_take_the_models_dependent_launch():
 @pytest.mark.parametrize("rows", [2, 8, 16, 64])
 @pytest.mark.parametrize("out_features,in_features", [(2048, 8192), (6144, 4096), (4096, 14336), (28672, 4096)])
 def test_rows_kernel_as_a_dependent_with_prefetch_changes_no_bit_gpu(rows, out_features, in_features):
-    """The rows kernel launched as a dependent (after a kernel that writes its input) with its weights
-    prefetched into L2: the same bits as the plain launch, on both paths (W8A16 and FP8 x FP8), split or
-    not."""
+    """The rows kernel launched as a dependent with its weights prefetched into L2, right after the kernel
+    that writes its input (a GEMV launched as a dependent too, which lets the next kernel start at once)
+    over NaN: a read of the input before the wait would see NaN. The same bits as the plain launches, on
+    both paths (W8A16 and FP8 x FP8), split or not."""
+    from graphrt.kernels import gemv
+
     dependent = torch.cuda.get_device_capability()[0] >= 9
     codes, scale = quantize_per_channel(torch.randn(out_features, in_features, device=DEVICE) * in_features**-0.5)
-    x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
+    source = torch.randn(rows, 512, device=DEVICE, dtype=torch.bfloat16)
+    producer = torch.randn(in_features, 512, device=DEVICE, dtype=torch.bfloat16) * 512**-0.5
+    x = gemv.linear_gemv(source, producer)
     for function in (fp8_matmul.w8a16_matmul, fp8_matmul.scaled_mm):
         plain = function(x, codes, scale)
-        x.mul_(1.0)  # a kernel writing the input just before the dependent launch
-        early = function(x, codes, scale, dependent_launch=dependent, l2_prefetch=True)
-        assert torch.equal(plain, early), function.__name__
+        produced = torch.full_like(x, float("nan"))
+        gemv.linear_gemv(source, producer, out=produced, dependent_launch=dependent)
+        early = function(produced, codes, scale, dependent_launch=dependent, l2_prefetch=True)
+        assert torch.equal(produced, x) and torch.equal(plain, early), function.__name__

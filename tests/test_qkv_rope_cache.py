@@ -53,7 +53,8 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
           cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False,
           l2_prefetch=None):
     """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one;
-    ``l2_prefetch``: the one-token kernel's (``gemv.linear_gemv``'s), the reference's left at its default."""
+    ``l2_prefetch``: the one-token kernel's (``gemv.linear_gemv``'s), the reference's left at its default,
+    launched as a dependent where the GPU can."""
     cache_dtype = cache_dtype or dtype
     width = (num_heads + 2 * num_kv_heads) * head_size
     kv_size = num_kv_heads * head_size
@@ -86,7 +87,7 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
     got = project(
         x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
         norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out, weight_scale=weight_scale,
-        **({} if l2_prefetch is None else {"l2_prefetch": l2_prefetch}),
+        **({} if l2_prefetch is None else {"l2_prefetch": l2_prefetch, "dependent_launch": _sm90()}),
     )
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
@@ -109,6 +110,10 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
             rows = rows[keep].float() / scales[kind]  # an fp8 cache holds values / their scale
             flat[kind, slots[keep]] = rows.clamp(-448, 448).to(FP8) if cache_dtype == FP8 else rows.to(cache_dtype)
         torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def _sm90() -> bool:
+    return CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -251,7 +256,7 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
                             HAS_BIAS=bias, W_SCALED=fp8_weight, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
                             BLOCK_K=tile.block_k, THREAD_SUM=tile.thread_sum, NORM_BLOCK=gemv.norm_block(hidden),
                             PDL=True, PREFETCH_LINES=max(1, tile.block_k // line_elems) if prefetch else 0,
-                            LINE_ELEMS=line_elems),
+                            LINE_ELEMS=line_elems, PREFETCH_SLICES=gemv.L2_PREFETCH_SLICES),
             num_warps=tile.num_warps, num_stages=3, launch_pdl=True,
             aligned_ints=["stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K"]))
     for case, result in zip(cases, compile_for_sm90(cases)):

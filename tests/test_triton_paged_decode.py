@@ -496,20 +496,29 @@ def test_split_merge_is_deterministic_on_gpu(batch, kv_heads, head_size, length)
     Case(4, 32, 8, 128, 16, [4096, 77, 9, 300], cache_dtype=FP8), Case(3, 32, 4, 96, 32, [900, 33, 1], alibi=True,
                                                                      window=100)], ids=str)
 def test_first_tile_prefetch_changes_no_bit_on_gpu(case):
-    """Each program asking L2 for its first K/V tile before its dependent wait (``l2_prefetch``): the same
-    bits as without, launched as a dependent (a kernel runs before it, as in the step)."""
+    """Each program asking L2 for its first K/V tile before its dependent wait (``l2_prefetch``), launched
+    right after the kernel that writes its query (a GEMV launched as a dependent too, which lets the next
+    kernel start at once) over NaN: a read of the query before the wait would see NaN. The same bits as
+    without the prefetch."""
+    from graphrt.kernels import gemv
+
     inputs = make_inputs(case, seed=case.batch)
+    dependent = torch.cuda.get_device_capability()[0] >= 9
+    source = torch.randn(case.batch, 256, device=DEVICE, dtype=inputs["query"].dtype)
+    producer = torch.randn(case.num_heads * case.head_size, 256, device=DEVICE, dtype=source.dtype) * 256**-0.5
+    inputs["query"] = gemv.linear_gemv(source, producer).view(case.batch, case.num_heads, case.head_size)
     outs = []
     for prefetch in (False, True):
         out = torch.full_like(inputs["query"], float("nan"))
-        inputs["query"].mul_(1.0)  # a kernel for the launch to depend on
+        query = torch.full_like(inputs["query"], float("nan"))
+        gemv.linear_gemv(source, producer, out=query.view(case.batch, -1), dependent_launch=dependent)
         tpd.paged_decode_attention(
-            out, inputs["query"], inputs["kv_cache"], inputs["block_tables"], inputs["seq_lens"],
+            out, query, inputs["kv_cache"], inputs["block_tables"], inputs["seq_lens"],
             max(case.seq_lens), case.head_size ** -0.5, case.num_kv_heads, case.block_size,
             alibi_slopes=inputs["alibi_slopes"], sliding_window=case.window, k_scale=inputs["k_scale"],
-            v_scale=inputs["v_scale"], dependent_launch=torch.cuda.get_device_capability()[0] >= 9,
-            l2_prefetch=prefetch)
+            v_scale=inputs["v_scale"], dependent_launch=dependent, l2_prefetch=prefetch)
         outs.append(out)
+        assert torch.equal(query, inputs["query"])
     assert_matches_reference(outs[1], reference(case, inputs), case.dtype, str(case))
     assert torch.equal(outs[0], outs[1])
 

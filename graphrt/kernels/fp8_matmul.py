@@ -40,7 +40,7 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, runs_ptx
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -155,6 +155,9 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 #: launches its kernels so) by default, and whether its programs prefetch their weight range into L2.
 ROWS_DEPENDENT_LAUNCH = False
 ROWS_L2_PREFETCH = False
+#: K slices of its range a program asks for (the 8B's down at 8 rows: all of it would be the whole 59 MB
+#: matrix at once, more than L2 holds).
+ROWS_L2_PREFETCH_SLICES = 4
 
 #: Most rows ``scaled_mm`` runs on the Triton kernel (``_weight_rows_kernel``); more go to cuBLAS
 #: (``torch._scaled_mm``). At 8 and 64 rows of the Llama-3-8B and 1B matrices the Triton kernel at its
@@ -226,6 +229,7 @@ def _weight_rows_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines of a weight row's K slice (0: no prefetch)
     LINE_ELEMS: tl.constexpr = 128,  # codes a line holds
+    PREFETCH_SLICES: tl.constexpr = 4,  # the first slices of the program's K range prefetched
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -243,7 +247,7 @@ def _weight_rows_kernel(
     if PREFETCH_LINES > 0:  # the weights are static: asked for before the wait
         lines = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
         row_starts = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-        for k in range(k_begin, k_end, BLOCK_K):
+        for k in range(k_begin, tl.minimum(k_end, k_begin + PREFETCH_SLICES * BLOCK_K), BLOCK_K):
             prefetch_to_l2(row_starts + k + lines, col_ok[:, None] & (k + lines < k_end))
     if PDL:
         # x (a kernel of the step wrote it), the split scratch and the output only after the kernel before
@@ -429,11 +433,12 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
 
 
 def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | None) -> dict:
-    """The rows kernel's ``PREFETCH_LINES`` (a weight row's K slice in lines; 0: none) and ``LINE_ELEMS``:
-    with ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``) on CUDA only (the interpreter has no PTX)."""
+    """The rows kernel's ``PREFETCH_LINES`` (a weight row's K slice in lines; 0: none), ``LINE_ELEMS`` and
+    ``PREFETCH_SLICES``: with ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``) where PTX runs only (not the
+    interpreter)."""
     wanted = ROWS_L2_PREFETCH if l2_prefetch is None else l2_prefetch
-    lines = max(1, tile.block_k // L2_LINE_BYTES) if wanted and device.type == "cuda" else 0
-    return {"PREFETCH_LINES": lines, "LINE_ELEMS": L2_LINE_BYTES}
+    lines = max(1, tile.block_k // L2_LINE_BYTES) if wanted and runs_ptx(device) else 0
+    return {"PREFETCH_LINES": lines, "LINE_ELEMS": L2_LINE_BYTES, "PREFETCH_SLICES": max(1, ROWS_L2_PREFETCH_SLICES)}
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, runs_ptx
 from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
@@ -97,16 +97,21 @@ def _slice_sums(products, BLOCK_K: tl.constexpr, THREAD_SUM: tl.constexpr):
 #: Whether the kernels prefetch their weight slices into L2 by default (``l2_prefetch``): off until a
 #: measurement of the captured step says otherwise (profiles/step_ab.py).
 L2_PREFETCH = False
+#: How many slices after the first each program asks for: the resident programs of a large matrix asking
+#: for all of theirs would request more than L2 holds (the 8B's FP8 gate/up: ~86 MB), evicting lines
+#: before their programs read them.
+L2_PREFETCH_SLICES = 1
 
 
 @triton.jit
 def prefetch_row_slices(row_ptrs, n_mask, K, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE_ELEMS: tl.constexpr):
-    """Prefetches K slices 2.. of the weight rows starting at ``row_ptrs`` ([BLOCK_N, 1] pointers to
-    each row's first element; rows outside ``n_mask`` skipped) into L2: ``PREFETCH_LINES`` lines of
-    ``LINE_ELEMS`` elements a row and slice (a slice of ``BLOCK_K`` elements)."""
+                        LINE_ELEMS: tl.constexpr, PREFETCH_SLICES: tl.constexpr):
+    """Prefetches K slices 2 .. 1 + ``PREFETCH_SLICES`` of the weight rows starting at ``row_ptrs``
+    ([BLOCK_N, 1] pointers to each row's first element; rows outside ``n_mask`` skipped) into L2:
+    ``PREFETCH_LINES`` lines of ``LINE_ELEMS`` elements a row and slice (a slice of ``BLOCK_K``
+    elements)."""
     lines = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
-    for k in range(BLOCK_K, K, BLOCK_K):
+    for k in range(BLOCK_K, tl.minimum(K, BLOCK_K * (1 + PREFETCH_SLICES)), BLOCK_K):
         prefetch_to_l2(row_ptrs + k + lines, n_mask[:, None] & (k + lines < K))
 
 
@@ -134,6 +139,7 @@ def row_products(
     dtype: tl.constexpr,
     PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines a row and K slice (0: none; prefetch_lines)
     LINE_ELEMS: tl.constexpr = 1,  # weight elements a line holds
+    PREFETCH_SLICES: tl.constexpr = 1,  # slices after the first prefetched (L2_PREFETCH_SLICES)
 ):
     """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
     each (without PAIRED the second is the first), and with ADDEND the values at ``addend_ptrs`` as
@@ -174,11 +180,14 @@ def row_products(
         # the wait, its latency overlaps the previous kernel instead of following the sum of squares.
         norm_w = tl.load(norm_w_ptr + k_offsets, mask=k_offsets < K, other=0.0).to(tl.float32)
     if PREFETCH_LINES > 0:  # static bytes: asked for before the wait
-        prefetch_row_slices(w_ptr + rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K, PREFETCH_LINES,
-                            LINE_ELEMS)
-        if PAIRED:
-            prefetch_row_slices(w_ptr + paired_rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K,
-                                PREFETCH_LINES, LINE_ELEMS)
+        # By the first row's programs only (the grid's first axis is the row): the other rows' programs
+        # read the same weights, which those requests bring.
+        if tl.program_id(0) == 0:
+            prefetch_row_slices(w_ptr + rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K, PREFETCH_LINES,
+                                LINE_ELEMS, PREFETCH_SLICES)
+            if PAIRED:
+                prefetch_row_slices(w_ptr + paired_rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K,
+                                    PREFETCH_LINES, LINE_ELEMS, PREFETCH_SLICES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     addend = tl.zeros_like(rows).to(tl.float32)
@@ -262,6 +271,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     PREFETCH_LINES: tl.constexpr = 0,  # prefetch_lines
     LINE_ELEMS: tl.constexpr = 1,
+    PREFETCH_SLICES: tl.constexpr = 1,
 ):
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + tl.program_id(0).to(tl.int64) * stride_x
@@ -274,7 +284,8 @@ def _gemv_kernel(
     # row_products reads out's values (the residual stream) along with the row.
     result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs,
                                       scale_ptr, K, eps, NORM, EPILOGUE == 2, EPILOGUE == 1, W_SCALED, BLOCK_K,
-                                      THREAD_SUM, NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS)
+                                      THREAD_SUM, NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS,
+                                      PREFETCH_SLICES)
     if HAS_BIAS:
         result += bias
     store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
@@ -361,14 +372,14 @@ def default_config(in_features: int, weight_rows: int | None = None, silu_mul: b
 
 
 def prefetch_lines(weight: torch.Tensor, config: TileConfig, l2_prefetch: bool | None) -> dict:
-    """The kernels' ``PREFETCH_LINES`` and ``LINE_ELEMS`` for ``weight`` under ``config``: with
-    ``l2_prefetch`` (None: ``L2_PREFETCH``) on CUDA and more than one K slice, the lines a row's slice
-    spans (at least one), else 0 (no prefetch: the interpreter has no PTX)."""
+    """The kernels' ``PREFETCH_LINES``, ``LINE_ELEMS`` and ``PREFETCH_SLICES`` for ``weight`` under
+    ``config``: with ``l2_prefetch`` (None: ``L2_PREFETCH``) on CUDA and more than one K slice, the lines
+    a row's slice spans (at least one), else 0 (no prefetch: the interpreter has no PTX)."""
     wanted = L2_PREFETCH if l2_prefetch is None else l2_prefetch
     line_elems = max(1, L2_LINE_BYTES // weight.element_size())
-    if not wanted or weight.device.type != "cuda" or weight.shape[1] <= config.block_k:
-        return {"PREFETCH_LINES": 0, "LINE_ELEMS": line_elems}
-    return {"PREFETCH_LINES": max(1, config.block_k // line_elems), "LINE_ELEMS": line_elems}
+    off = not wanted or not runs_ptx(weight.device) or weight.shape[1] <= config.block_k
+    return {"PREFETCH_LINES": 0 if off else max(1, config.block_k // line_elems), "LINE_ELEMS": line_elems,
+            "PREFETCH_SLICES": max(1, L2_PREFETCH_SLICES)}
 
 
 def grid_tiles(out_features: int, block_n: int) -> int:

@@ -6,8 +6,11 @@ no PTX, so callers pass the prefetch's constexprs as off there."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from graphrt.base.checks import triton_interpreter_on
 
 #: Bytes one prefetch asks for: a cache line.
 L2_LINE_BYTES = 128
@@ -23,4 +26,10 @@ def prefetch_to_l2(ptrs, mask):
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-__all__ = ["L2_LINE_BYTES", "prefetch_to_l2"]
+def runs_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled PTX (a CUDA device, not Triton's interpreter), where
+    the prefetch may be compiled in."""
+    return device.type == "cuda" and not triton_interpreter_on()
+
+
+__all__ = ["L2_LINE_BYTES", "prefetch_to_l2", "runs_ptx"]
