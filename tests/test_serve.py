@@ -624,6 +624,36 @@ def _start_serve(folder, *options: str):
     return process, line, re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
 
 
+def test_graphrt_serve_exits_1_when_a_tensor_parallel_rank_dies(tmp_path):
+    """A rank killed under a running server: the next request gets 503 naming the dead rank, and the
+    server process ends with status 1 (for a supervisor to restart it) instead of answering 503 for ever."""
+    import signal
+
+    psutil = pytest.importorskip("psutil")
+    process, _, url = _start_serve(tmp_path, "--max-model-len", "128", "--tensor-parallel-size", "3")  # 9 heads, 3 KV
+    try:
+        ranks = [child for child in psutil.Process(process.pid).children()
+                 if "graphrt-rank" in " ".join(child.cmdline()) or "multiprocessing" in " ".join(child.cmdline())]
+        rank = next(child for child in ranks if "resource_tracker" not in " ".join(child.cmdline()))
+        rank.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)  # dead (a zombie until the server reaps it)
+        port = int(url.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4}),
+                     headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 503 and "exited (exit code -9)" in json.loads(reply.read())["error"]["message"]
+        conn.close()
+        assert process.wait(60) == 1
+        assert "the engine failed" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+
+
 @pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
 def test_graphrt_serve_answers_and_stops_on_ctrl_c_or_sigterm(tmp_path, stop_signal):
     import signal
