@@ -45,7 +45,7 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options, wait_for_previous_kernel
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, runs_ptx
+from graphrt.kernels.l2_prefetch import line_elements, prefetch_to_l2, prefetching
 
 #: Whether a dependent launch asks L2 for each program's first K/V tile before its wait by default
 #: (``l2_prefetch``): off until a measurement of the captured step says otherwise (profiles/step_ab.py).
@@ -723,11 +723,10 @@ def first_tile_prefetch(kv_cache: torch.Tensor, head_size: int, l2_prefetch: boo
     """The split kernel's ``PREFETCH_LINES`` (the lines a token's K row spans; 0: no prefetch) and
     ``LINE_ELEMS``: with ``l2_prefetch`` (None: ``L2_PREFETCH_FIRST_TILE``) on CUDA only (the
     interpreter has no PTX)."""
-    line_elems = max(1, L2_LINE_BYTES // kv_cache.element_size())
-    wanted = L2_PREFETCH_FIRST_TILE if l2_prefetch is None else l2_prefetch
-    if not wanted or not runs_ptx(kv_cache.device):
-        return {"PREFETCH_LINES": 0, "LINE_ELEMS": line_elems}
-    return {"PREFETCH_LINES": triton.next_power_of_2(-(-head_size // line_elems)), "LINE_ELEMS": line_elems}
+    line_elems = line_elements(kv_cache.element_size())
+    on = prefetching(l2_prefetch, L2_PREFETCH_FIRST_TILE, kv_cache.device)
+    return {"PREFETCH_LINES": triton.next_power_of_2(-(-head_size // line_elems)) if on else 0,
+            "LINE_ELEMS": line_elems}
 
 
 __all__ = [

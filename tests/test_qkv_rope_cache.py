@@ -27,6 +27,7 @@ from triton_cpu import interpreted  # noqa: E402
 from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import gemv, gemv_rows  # noqa: E402
+from graphrt.kernels.l2_prefetch import line_elements  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -242,7 +243,7 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
             ("bf16", "fp8e4nv", False, True, True)):
         element_size = 1 if fp8_weight else 4 if dtype == "fp32" else 2
         tile = rope_write.qkv_tile(hidden, width, head_size, element_size)
-        line_elems = gemv.L2_LINE_BYTES // element_size
+        line_elems = line_elements(element_size)
         pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr")}
         pointers.update(scale_ptr="*fp32", **({"w_ptr": "*fp8e4nv"} if fp8_weight else {}))
         cases.append(dict(

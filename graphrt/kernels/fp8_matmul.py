@@ -25,8 +25,9 @@ Which path a forward takes is the kernel policy's (``graphrt.models.kernel_polic
 Two switches, off until a measurement of the captured step says otherwise (``profiles/step_ab.py``):
 ``ROWS_DEPENDENT_LAUNCH``, the rows kernel launched as a programmatic dependent of the kernel before it
 (``graphrt.kernels.dependent_launch``: its programs start during that kernel's tail and wait before they
-read its output), and ``ROWS_L2_PREFETCH``, each program asking L2 for its weight range when it starts,
-before that wait (with the dependent launch, while the kernel before it, attention say, still runs).
+read its output), and ``ROWS_L2_PREFETCH``, each program asking L2 for the first
+``ROWS_L2_PREFETCH_SLICES`` slices of its weight range when it starts, before that wait (with the
+dependent launch, while the kernel before it, attention say, still runs).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, runs_ptx
+from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, prefetching
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -152,7 +153,7 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 
 
 #: Whether the decoder's FP8 layers launch the rows kernel as a programmatic dependent (where the model
-#: launches its kernels so) by default, and whether its programs prefetch their weight range into L2.
+#: launches its kernels so) by default, and whether its programs prefetch their first weight slices into L2.
 ROWS_DEPENDENT_LAUNCH = False
 ROWS_L2_PREFETCH = False
 #: K slices of its range a program asks for (the 8B's down at 8 rows: all of it would be the whole 59 MB
@@ -436,8 +437,7 @@ def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | No
     """The rows kernel's ``PREFETCH_LINES`` (a weight row's K slice in lines; 0: none), ``LINE_ELEMS`` and
     ``PREFETCH_SLICES``: with ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``) where PTX runs only (not the
     interpreter)."""
-    wanted = ROWS_L2_PREFETCH if l2_prefetch is None else l2_prefetch
-    lines = max(1, tile.block_k // L2_LINE_BYTES) if wanted and runs_ptx(device) else 0
+    lines = max(1, tile.block_k // L2_LINE_BYTES) if prefetching(l2_prefetch, ROWS_L2_PREFETCH, device) else 0
     return {"PREFETCH_LINES": lines, "LINE_ELEMS": L2_LINE_BYTES, "PREFETCH_SLICES": max(1, ROWS_L2_PREFETCH_SLICES)}
 
 

@@ -21,11 +21,10 @@ are launched back to back): the kernels are built for one row, and the model use
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
-``l2_prefetch`` (off by default, ``L2_PREFETCH``): each program asks L2 for all of its weight slices but
-the first (which it loads) when it starts, before it waits for the previous kernel: the weight bytes of a
-kernel's resident programs then stream while the kernel before it finishes, and each program has its
-whole share in flight at once rather than a slice an iteration. A hint (``prefetch.global.L2``): results
-are the same bits either way.
+``l2_prefetch`` (off by default, ``L2_PREFETCH``): each program of the first row asks L2 for the
+``L2_PREFETCH_SLICES`` weight slices after its first (which it loads) when it starts, before it waits for
+the previous kernel: those bytes then stream while the kernel before it finishes, and a program has more
+than one slice in flight. A hint (``prefetch.global.L2``): results are the same bits either way.
 
 Rounding follows the unfused ops (``graphrt.models.layers``): the normalised row and the product are
 rounded to the model dtype where the torch ops round them. The float32 sums run in another order than
@@ -42,7 +41,7 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, runs_ptx
+from graphrt.kernels.l2_prefetch import line_elements, prefetch_to_l2, prefetching
 from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
@@ -375,10 +374,9 @@ def prefetch_lines(weight: torch.Tensor, config: TileConfig, l2_prefetch: bool |
     """The kernels' ``PREFETCH_LINES``, ``LINE_ELEMS`` and ``PREFETCH_SLICES`` for ``weight`` under
     ``config``: with ``l2_prefetch`` (None: ``L2_PREFETCH``) on CUDA and more than one K slice, the lines
     a row's slice spans (at least one), else 0 (no prefetch: the interpreter has no PTX)."""
-    wanted = L2_PREFETCH if l2_prefetch is None else l2_prefetch
-    line_elems = max(1, L2_LINE_BYTES // weight.element_size())
-    off = not wanted or not runs_ptx(weight.device) or weight.shape[1] <= config.block_k
-    return {"PREFETCH_LINES": 0 if off else max(1, config.block_k // line_elems), "LINE_ELEMS": line_elems,
+    line_elems = line_elements(weight.element_size())
+    on = prefetching(l2_prefetch, L2_PREFETCH, weight.device) and weight.shape[1] > config.block_k
+    return {"PREFETCH_LINES": max(1, config.block_k // line_elems) if on else 0, "LINE_ELEMS": line_elems,
             "PREFETCH_SLICES": max(1, L2_PREFETCH_SLICES)}
 
 
@@ -490,8 +488,8 @@ def linear_gemv(
     allocated when ``out`` is given, and the launch depends on shapes only: safe inside a CUDA graph.
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
-    ``l2_prefetch``: each program asks L2 for its other weight slices before it waits (None:
-    ``L2_PREFETCH``; CUDA only, the same results).
+    ``l2_prefetch``: the first row's programs ask L2 for their next ``L2_PREFETCH_SLICES`` weight slices
+    before they wait (None: ``L2_PREFETCH``; CUDA only, the same results).
     """
     rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out, weight_scale)
     if rows == 0:

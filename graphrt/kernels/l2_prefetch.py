@@ -26,10 +26,17 @@ def prefetch_to_l2(ptrs, mask):
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def runs_ptx(device: torch.device) -> bool:
-    """Whether kernels on ``device`` run compiled PTX (a CUDA device, not Triton's interpreter), where
-    the prefetch may be compiled in."""
-    return device.type == "cuda" and not triton_interpreter_on()
+def prefetching(asked: bool | None, default: bool, device: torch.device) -> bool:
+    """Whether a launch on ``device`` compiles its prefetch in: ``asked`` (None: the kernel module's
+    ``default`` switch), and only where kernels run compiled PTX (a CUDA device, not Triton's
+    interpreter)."""
+    wanted = default if asked is None else asked
+    return bool(wanted) and device.type == "cuda" and not triton_interpreter_on()
 
 
-__all__ = ["L2_LINE_BYTES", "prefetch_to_l2", "runs_ptx"]
+def line_elements(element_size: int) -> int:
+    """Elements of ``element_size`` bytes one prefetched line holds."""
+    return max(1, L2_LINE_BYTES // element_size)
+
+
+__all__ = ["L2_LINE_BYTES", "line_elements", "prefetch_to_l2", "prefetching"]
