@@ -19,8 +19,7 @@ import statistics
 
 import torch
 
-from graphrt.workload import decode_engine, fill_decode_batch
-from tiles_in_step import StepTimer
+from tiles_in_step import StepTimer, add_step_arguments
 
 
 def parse_variant(text: str) -> list[tuple[object, str, object]]:
@@ -48,24 +47,15 @@ def describe(variant) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:llama-3-8b")
-    parser.add_argument("--quantization", default=None, choices=[None, "fp8"], type=lambda s: None if s == "none" else s)
+    add_step_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--set", dest="variants", action="append", type=parse_variant, required=True,
                         help="a B side: package.module.NAME=value, several joined by commas (repeat --set for "
                              "more B sides)")
-    parser.add_argument("--replays", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("step_ab.py times captured CUDA graphs: it needs a CUDA device")
-
-    engine = decode_engine(args.model, "cuda", "bfloat16", args.batch_size, args.context, enforce_eager=False,
-                           quantization=args.quantization, prefill_graph_tokens=0, mixed_step_tokens=0)
-    batch = fill_decode_batch(engine, args.batch_size, args.context)
-    timer = StepTimer(engine, batch, args.replays)
+    timer = StepTimer.for_model(args, args.batch_size, "step_ab.py")
     original = {(module, name): getattr(module, name) for variant in args.variants for module, name, _ in variant}
     sides = {"A": []} | {describe(variant): [] for variant in args.variants}
     label = f"{args.model} {args.quantization or 'bf16'} batch {args.batch_size} context {args.context}"

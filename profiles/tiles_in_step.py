@@ -68,11 +68,31 @@ def describe(tile: gemv.TileConfig) -> str:
     return f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.thread_sum}"
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a timed decode step (``StepTimer.for_model``): model, weights, context, replays."""
+    parser.add_argument("--model", default="random:llama-3-8b")
+    parser.add_argument("--quantization", default=None, choices=[None, "fp8"], type=lambda s: None if s == "none" else s)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--replays", type=int, default=40)
+
+
 class StepTimer:
-    """Recaptures ``engine``'s one decode graph with the tile table as it stands and times its replay."""
+    """Recaptures ``engine``'s one decode graph with the switches and tables as they stand and times its
+    replay."""
 
     def __init__(self, engine, batch, replays: int):
         self.engine, self.batch, self.replays = engine, batch, replays
+
+    @classmethod
+    def for_model(cls, args: argparse.Namespace, batch_size: int, script: str) -> "StepTimer":
+        """A bf16 engine of ``args.model`` (``add_step_arguments``' options) on CUDA with ``batch_size``
+        sequences decoding at ``args.context``, its decode graph only (no prompt or mixed graphs);
+        SystemExit naming ``script`` without CUDA."""
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{script} times captured CUDA graphs: it needs a CUDA device")
+        engine = decode_engine(args.model, "cuda", "bfloat16", batch_size, args.context, enforce_eager=False,
+                               quantization=args.quantization, prefill_graph_tokens=0, mixed_step_tokens=0)
+        return cls(engine, fill_decode_batch(engine, batch_size, args.context), args.replays)
 
     def __call__(self) -> tuple[float, int]:
         runner = self.engine.decode_runner
@@ -86,28 +106,20 @@ class StepTimer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:llama-3-8b")
-    parser.add_argument("--quantization", default=None, choices=[None, "fp8"], type=lambda s: None if s == "none" else s)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--replays", type=int, default=40)
+    add_step_arguments(parser)
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of the combined comparison")
     parser.add_argument("--min-gain", type=float, default=0.01, help="a candidate's least gain over the baseline")
     parser.add_argument("--matrices", nargs="+", default=list(MATRICES), choices=MATRICES)
     parser.add_argument("--wide", action="store_true", help="FP8: the second round's wider grid (candidate_tiles)")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tiles_in_step.py times captured CUDA graphs: it needs a CUDA device")
-
-    engine = decode_engine(args.model, "cuda", "bfloat16", 1, args.context, enforce_eager=False,
-                           quantization=args.quantization, prefill_graph_tokens=0, mixed_step_tokens=0)
+    timer = StepTimer.for_model(args, 1, "tiles_in_step.py")
+    engine = timer.engine
     if not engine.model.kernel_policy.runs_gemv(1):
         raise SystemExit(f"{args.model} does not run the GEMV layers at batch 1 here: nothing to tune")
-    batch = fill_decode_batch(engine, 1, args.context)
     element_size = 1 if args.quantization == "fp8" else 2
     table = gemv.MEASURED_FP8_TILES if element_size == 1 else gemv.MEASURED_TILES
     keys = table_keys(engine.model_config)
-    timer = StepTimer(engine, batch, args.replays)
     kept = dict(table)
     label = f"{args.model} {args.quantization or 'bf16'} batch 1 context {args.context}"
     print(f"# {label}: replay ms of the whole decode step, each matrix's candidate tiles in turn", flush=True)
