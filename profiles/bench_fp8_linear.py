@@ -4,7 +4,8 @@ For the Llama-3.2-1B and Llama-3-8B matrices (QKV, O, gate/up, down) at decode r
 GEMM (cuBLAS), FP8 tensor cores with per-token activation scales (``fp8_matmul.scaled_mm``, its
 quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile, with ``--sweep rows`` both
 Triton paths over tiles (``fp8_matmul.RowsTile``, at 8 and 64 rows); at one row the FP8 GEMV kernel
-(``gemv.linear_gemv``), with ``--sweep gemv`` over tiles (``thread_sum`` the per-thread width). Each
+(``gemv.linear_gemv``), with ``--sweep gemv`` over tiles (``thread_sum`` the per-thread width); ``--sweep tma``
+the rows kernel reading its weight slices through TMA (``RowsTile.tma``) beside its plain loads. Each
 time is a CUDA graph's replay over enough weight copies to exceed L2 (so every call reads HBM),
 divided by the copies: per call, as inside a decode step. Prints ms and TB/s of weight bytes; writes
 JSON (profiles/notes_fp8.md reads it).
@@ -13,6 +14,7 @@ JSON (profiles/notes_fp8.md reads it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -74,6 +76,12 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
             # matrices of few output rows (the 1B's, the 8B's QKV, O and down fill 32-96 of 64 rows).
             tiles += [fp8_matmul.RowsTile(min(64, max(16, rows)), bn, bk, 4, stages, split)
                       for bn, bk, stages in ((64, 256, 4), (64, 128, 6), (32, 256, 4)) for split in (1, 2, 4)]
+        if "tma" in sweep and 1 < rows <= fp8_matmul.TRITON_MAX_ROWS:
+            # The weight slices through TMA: the default tile, then deeper pipelines and other splits.
+            default = fp8_matmul.rows_tile(rows, out_features, in_features, fp8_matmul.multiprocessors(x.device))
+            tiles += [dataclasses.replace(default, tma=True)]
+            tiles += [fp8_matmul.RowsTile(default.block_m, 64, bk, 4, stages, split, tma=True)
+                      for bk, stages in ((256, 6), (128, 8)) for split in (1, 2, 4)]
         for kernel, function in (("scaled_mm", fp8_matmul.scaled_mm), ("w8a16", fp8_matmul.w8a16_matmul)):
             for tile in tiles:
                 chosen = tile or fp8_matmul.rows_tile(rows, out_features, in_features,
@@ -121,8 +129,9 @@ def best_by(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement and the per-point best here")
-    parser.add_argument("--sweep", nargs="*", default=[], choices=["rows", "gemv"],
-                        help="also sweep these kernels' tiles (the Triton rows kernel at 8 and 64 rows, the GEMV at one)")
+    parser.add_argument("--sweep", nargs="*", default=[], choices=["rows", "gemv", "tma"],
+                        help="also sweep these kernels' tiles (the Triton rows kernel at 8 and 64 rows, the GEMV at "
+                             "one; tma: the rows kernel reading its weights through TMA, at 2-64 rows)")
     parser.add_argument("--matrices", nargs="*", default=list(MATRICES), choices=list(MATRICES))
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS), help="row counts (default %(default)s)")
     args = parser.parse_args()

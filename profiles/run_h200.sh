@@ -14,9 +14,11 @@
 #   tiles-fp8                          tiles_in_step.py: the batch-1 FP8 GEMV tiles chosen in the captured step (8B, 1B)
 #   tiles-fp8-wide                     the same over the wider grid around the first round's winners (--wide)
 #   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels and the paged decode prefetching into L2
-#   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch, + L2 prefetch
+#   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch, + L2 prefetch,
+#                                      its weights through TMA (alone, as a dependent)
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
+#   fp8-rows-tma                       bench_fp8_linear.py --sweep tma: the rows kernel's weight slices through TMA
 #   profile                            graphrt profile of every point in notes_fusion.md's table (exposed times)
 #   profile-fp8                        graphrt profile of the FP8 points above their targets (notes_fp8.md)
 #   gemv                               bench_gemv.py: batch-1 layers, GEMV kernels against cuBLAS, tile sweep
@@ -120,14 +122,17 @@ for stage in $stages; do
       ;;
     rows-dependent-ab)
       # FP8 at batch 8 and 64: the rows kernel launched as a programmatic dependent, then also prefetching
-      # its weights into L2, against neither, in the captured step (the 8B, then the 1B at batch 8).
+      # its weights into L2; reading them through TMA, alone and as a dependent; against none of these, in
+      # the captured step (the 8B, then the 1B at batch 8).
       dependent=graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True
       prefetch=graphrt.kernels.fp8_matmul.ROWS_L2_PREFETCH=True
+      tma=graphrt.kernels.fp8_matmul.ROWS_TMA=True
       for spec in "llama-3-8b 8" "llama-3-8b 64" "llama-3.2-1b 8"; do
         set -- $spec
-        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent, then with its L2 prefetch"
+        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent, with its L2 prefetch, its weights through TMA"
         python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" --set "$dependent" \
-          --set "$dependent,$prefetch" --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
+          --set "$dependent,$prefetch" --set "$tma" --set "$tma,$dependent" \
+          --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
       done
       ;;
     bench-fp8)
@@ -163,6 +168,11 @@ for stage in $stages; do
       log "bench_fp8_linear.py --sweep rows: the default kernels at 1-64 rows, tiles and split-K at 8 and 64"
       python profiles/bench_fp8_linear.py --rows 1 2 8 16 64 --sweep rows --json "$OUT/fp8_rows_split_$TAG.json" \
         | tee "$OUT/fp8_rows_split_$TAG.txt" || status=1
+      ;;
+    fp8-rows-tma)
+      log "bench_fp8_linear.py --sweep tma: the rows kernel's weights through TMA beside plain loads, 8 and 64 rows"
+      python profiles/bench_fp8_linear.py --rows 8 64 --sweep tma --json "$OUT/fp8_rows_tma_$TAG.json" \
+        | grep -v "bf16 cublas" | tee "$OUT/fp8_rows_tma_$TAG.txt" || status=1
       ;;
     bench-headline)
       log "graphrt bench llama-3.2-1b, batch 1, 64, 256 at context 512"

@@ -24,11 +24,11 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
 
     A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
     Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
-    ``num_stages``, optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
+    ``num_stages`` (a host tensor descriptor's type: ``"tensordesc<fp8e4nv[64, 256]>"``), optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
     multiples of 16, as a launch does for such values; pointers always are). Returns, per case,
     ``{"shared": bytes, "dependency_waits": n, "dependency_launches": n, "loads_before_wait": n or None,
-    "l2_prefetches_before_wait": n or None}`` (grid dependency control instructions in its PTX, and global
-    loads and L2 prefetches placed before the first wait) or
+    "l2_prefetches_before_wait": n or None, "tma_loads": n}`` (grid dependency control instructions in its
+    PTX, global loads and L2 prefetches placed before the first wait, and TMA bulk tensor copies) or
     ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -95,7 +95,8 @@ def _compile(case: dict) -> dict:
     return {"shared": compiled.metadata.shared, "dependency_waits": ptx.count("griddepcontrol.wait"),
             "dependency_launches": ptx.count("griddepcontrol.launch_dependents"),
             "loads_before_wait": None if wait < 0 else sum(ptx[:wait].count(op) for op in ("ld.global", "cp.async.ca", "cp.async.cg")),
-            "l2_prefetches_before_wait": None if wait < 0 else ptx[:wait].count("prefetch.global.L2")}
+            "l2_prefetches_before_wait": None if wait < 0 else ptx[:wait].count("prefetch.global.L2"),
+            "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ rows of widely different magnitudes, the models' shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -82,6 +83,11 @@ def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
     (20, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # tiles dividing both widths: unmasked weight loads
     (20, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K: 8 slices in splits of 3, 3, 2
     (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)),  # 3 slices: 3 splits of one, unmasked
+    # Weights through TMA: partial column tiles zero-filled, split; then rows TMA cannot address (230
+    # bytes apart), which take the plain loads.
+    (20, 50, 96, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),
+    (20, 50, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3, tma=True)),
+    (5, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),
 ])
 def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bias, dtype):
     """Codes widened exactly, float32 sums, scaled per column, one rounding: against the float64
@@ -156,7 +162,8 @@ def check_scaled_mm(rows, out_features, in_features, bias, tile=None):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows,out_features,in_features,tile", [
     (1, 48, 80, None), (5, 32, 304, None), (20, 48, 64, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),
-    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4))])  # split K, partial last slice
+    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4)),  # split K, partial last slice
+    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4, tma=True))])  # the same through TMA
 def test_scaled_mm_rows_kernel_against_float64(rows, out_features, in_features, tile, bias):
     """Up to TRITON_MAX_ROWS rows scaled_mm is the quantisation launch and the Triton kernel (on the CPU
     in the interpreter, float32 products): odd row counts, partial K slices, several tiles."""
@@ -290,8 +297,9 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
     the prefetch, its weight lines are asked for before the wait."""
     from sm90_compile import compile_for_sm90
 
-    signature = {**{name: "*bf16" for name in ("x_ptr", "bias_ptr", "out_ptr")}, "w_ptr": "*fp8e4nv",
-                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
+    signature = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv",
+                 "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partials_ptr": "*fp32",
+                 "arrivals_ptr": "*i32",
                  **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
     cases = []
     for x_codes, split_k, prefetch, pdl in ((False, 4, False, True), (False, 4, True, True), (True, 1, True, True),
@@ -303,7 +311,7 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
                             BLOCK_N=64, BLOCK_K=256, PDL=pdl, PREFETCH_LINES=2 if prefetch else 0,
-                            LINE_ELEMS=128, PREFETCH_SLICES=fp8_matmul.ROWS_L2_PREFETCH_SLICES),
+                            LINE_ELEMS=128, PREFETCH_SLICES=fp8_matmul.ROWS_L2_PREFETCH_SLICES, TMA=False),
             num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
@@ -315,6 +323,35 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
         assert result["loads_before_wait"] == 0, (case["name"], result)
         prefetched = case["constexprs"]["PREFETCH_LINES"] > 0
         assert (result["l2_prefetches_before_wait"] > 0) == prefetched, (case["name"], result)
+
+
+def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
+    """sm_90: with TMA the weight slices arrive as bulk tensor copies (and the only global loads are the
+    activations', scales' and bias's); launched as a dependent, still nothing is read before the wait."""
+    from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
+
+    cases = []
+    for x_codes, split_k, pdl, block_k, stages in ((True, 1, False, 256, 4), (False, 4, True, 256, 4),
+                                                  (True, 2, True, 128, 8)):
+        signature = {"x_ptr": "*fp8e4nv" if x_codes else "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                     "w_desc": f"tensordesc<fp8e4nv[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                     "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
+                     **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out",
+                                                 "slices_per_split")}}
+        cases.append(dict(
+            name=f"rows-tma-{'fp8' if x_codes else 'w8a16'}-split{split_k}-k{block_k}x{stages}{'-pdl' if pdl else ''}",
+            module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature,
+            constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
+                            BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=128,
+                            PREFETCH_SLICES=1, TMA=True),
+            num_warps=4, num_stages=stages, launch_pdl=pdl,
+            aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
+    for case, result in zip(cases, compile_for_sm90(cases)):
+        assert "error" not in result, (case["name"], result)
+        assert result["tma_loads"] > 0, (case["name"], result)
+        assert result["shared"] <= H200_SHARED_MEMORY, (case["name"], result)
+        if case["constexprs"]["PDL"]:
+            assert result["dependency_waits"] >= 1 and result["loads_before_wait"] == 0, (case["name"], result)
 
 
 def test_fp8_layers_take_the_models_dependent_launch():
@@ -351,4 +388,32 @@ def test_rows_kernel_as_a_dependent_with_prefetch_changes_no_bit_gpu(rows, out_f
         produced = torch.full_like(x, float("nan"))
         gemv.linear_gemv(source, producer, out=produced, dependent_launch=dependent)
         early = function(produced, codes, scale, dependent_launch=dependent, l2_prefetch=True)
+        assert torch.equal(produced, x) and torch.equal(plain, early), function.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs an sm_90 (TMA) device")
+@pytest.mark.parametrize("rows", [2, 8, 16, 64])
+@pytest.mark.parametrize("out_features,in_features", [(2048, 8192), (4096, 14336), (1008, 4112), (28672, 4096)])
+def test_rows_kernel_through_tma_changes_no_bit_gpu(rows, out_features, in_features):
+    """The rows kernel reading its weight slices through TMA (edges past the matrix zero-filled: 1008 rows
+    and 4112 columns leave partial tiles and slices) gives the bits of its plain loads, on both paths,
+    at the default tile (split or not), a deeper pipeline, and launched as a dependent after the kernel
+    that writes its input over NaN."""
+    from graphrt.kernels import gemv
+
+    codes, scale = quantize_per_channel(torch.randn(out_features, in_features, device=DEVICE) * in_features**-0.5)
+    source = torch.randn(rows, 512, device=DEVICE, dtype=torch.bfloat16)
+    producer = torch.randn(in_features, 512, device=DEVICE, dtype=torch.bfloat16) * 512**-0.5
+    x = gemv.linear_gemv(source, producer)
+    default = fp8_matmul.rows_tile(rows, out_features, in_features, fp8_matmul.multiprocessors(x.device))
+    for function in (fp8_matmul.w8a16_matmul, fp8_matmul.scaled_mm):
+        for tile in (default, fp8_matmul.RowsTile(default.block_m, 64, 128, 4, 8, 2)):
+            plain = function(x, codes, scale, tile=dataclasses.replace(tile, tma=False))
+            through_tma = function(x, codes, scale, tile=dataclasses.replace(tile, tma=True))
+            assert torch.equal(plain, through_tma), (function.__name__, tile)
+        plain = function(x, codes, scale, tile=dataclasses.replace(default, tma=False))
+        produced = torch.full_like(x, float("nan"))
+        gemv.linear_gemv(source, producer, out=produced, dependent_launch=True)
+        early = function(produced, codes, scale, tile=dataclasses.replace(default, tma=True), dependent_launch=True)
         assert torch.equal(produced, x) and torch.equal(plain, early), function.__name__

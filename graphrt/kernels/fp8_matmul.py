@@ -38,7 +38,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
 from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, prefetching
@@ -156,6 +158,10 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 #: launches its kernels so) by default, and whether its programs prefetch their first weight slices into L2.
 ROWS_DEPENDENT_LAUNCH = False
 ROWS_L2_PREFETCH = False
+#: Whether the rows kernel reads its weight slices through the tensor memory accelerator (TMA: one bulk
+#: copy a slice into shared memory, on sm_90 and later) by default, rather than with the loads of every
+#: thread.
+ROWS_TMA = False
 #: K slices of its range a program asks for (the 8B's down at 8 rows: all of it would be the whole 59 MB
 #: matrix at once, more than L2 holds).
 ROWS_L2_PREFETCH_SLICES = 4
@@ -206,6 +212,7 @@ def _weight_rows_kernel(
     x_ptr,  # [M, K] activations: FP8 codes (X_CODES), else 16-bit or float32
     x_scale_ptr,  # [M] float32 scales of the codes (read only with X_CODES)
     w_ptr,  # [N, K] float8_e4m3fn codes
+    w_desc,  # with TMA: a tensor descriptor of w_ptr's codes in [BLOCK_N, BLOCK_K] boxes (else unused)
     w_scale_ptr,  # [N] float32
     bias_ptr,  # [N] (unused without HAS_BIAS)
     out_ptr,  # [M, N]
@@ -231,6 +238,7 @@ def _weight_rows_kernel(
     PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines of a weight row's K slice (0: no prefetch)
     LINE_ELEMS: tl.constexpr = 128,  # codes a line holds
     PREFETCH_SLICES: tl.constexpr = 4,  # the first slices of the program's K range prefetched
+    TMA: tl.constexpr = False,  # the weight slices come through the tensor memory accelerator (w_desc)
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -256,7 +264,15 @@ def _weight_rows_kernel(
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
-        if EVEN:
+        if TMA:
+            # One bulk copy a slice into shared memory, rows and columns past the matrix filled with zeros:
+            # no register holds an address or a code on the way to the tensor cores.
+            w = w_desc.load([tl.program_id(0) * BLOCK_N, k])
+            if EVEN:
+                x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k, mask=row_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
+        elif EVEN:
             w = tl.load(w_ptrs + k)
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
@@ -323,6 +339,7 @@ class RowsTile:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    tma: bool | None = None  # weight slices through TMA (None: the module's ROWS_TMA; ``_reads_through_tma``)
 
     def __post_init__(self) -> None:
         if not 1 <= self.split_k <= MAX_SPLIT_K:
@@ -420,17 +437,34 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
     split_k = triton.cdiv(slices, slices_per_split)  # every split has at least one slice
     partials = arrivals = out  # not touched without a split
+    tma = _reads_through_tma(weight, tile)
     if split_k > 1:
         partials, arrivals = _split_workspace(x.device, split_k * col_tiles * row_tiles * tile.block_n * tile.block_m,
                                               col_tiles * row_tiles)
     _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
-        x, weight_scale if x_scale is None else x_scale, weight, weight_scale, weight if bias is None else bias, out,
+        x, weight_scale if x_scale is None else x_scale, weight,
+        TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, weight_scale,
+        weight if bias is None else bias, out,
         partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
         slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
         SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        **_prefetch_lines(x.device, tile, l2_prefetch), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **launch_options(dependent_launch))
+        **_prefetch_lines(x.device, tile, l2_prefetch), TMA=tma, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
+
+
+def _reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
+    """Whether the rows kernel reads ``weight``'s slices through TMA: ``tile.tma`` (None: ``ROWS_TMA``), on
+    an NVIDIA GPU of compute capability 9.0 or later or in Triton's interpreter (which runs the descriptor
+    loads on the CPU, so CPU tests take the branch), for a weight TMA can address: rows whose byte
+    stride is a multiple of 16 starting 16-byte aligned."""
+    wanted = ROWS_TMA if tile.tma is None else tile.tma
+    if not wanted or weight.stride(0) % 16 or weight.data_ptr() % 16:
+        return False
+    if triton_interpreter_on():
+        return True
+    return (weight.device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(weight.device)[0] >= 9)
 
 
 def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | None) -> dict:
