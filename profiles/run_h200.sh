@@ -16,6 +16,7 @@
 #   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels and the paged decode prefetching into L2
 #   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch, + L2 prefetch,
 #                                      its weights through TMA (alone, as a dependent)
+#   rows-tma-ab                        step_ab.py: FP8 at batch 8 / 16, the rows kernel through TMA against the threads' loads
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   fp8-rows-tma                       bench_fp8_linear.py --sweep tma: the rows kernel's weight slices through TMA
@@ -133,6 +134,16 @@ for stage in $stages; do
         python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" --set "$dependent" \
           --set "$dependent,$prefetch" --set "$tma" --set "$tma,$dependent" \
           --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
+      done
+      ;;
+    rows-tma-ab)
+      # FP8 at 8 and 16 tokens: the rows kernel through TMA (the default, W8A16 on every matrix) against
+      # the threads' loads (ROWS_TMA off: FP8 x FP8 where K splits less than 4 ways), in the captured step.
+      for spec in "llama-3-8b 8" "llama-3.2-1b 8" "llama-3-8b 16"; do
+        set -- $spec
+        log "step_ab.py $1 FP8 batch $2: the rows kernel through TMA (A) against the threads' loads"
+        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" \
+          --set graphrt.kernels.fp8_matmul.ROWS_TMA=False --json "$OUT/rows_tma_ab_$1_b$2_$TAG.json" || status=1
       done
       ;;
     bench-fp8)

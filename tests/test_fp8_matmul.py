@@ -119,6 +119,10 @@ def test_rows_tiles_split_k_where_programs_would_leave_multiprocessors_idle():
             for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048))] == [
         False, True, False, True, True]
     assert not fp8_matmul.w8a16_is_faster(fp8_matmul.rows_tile(64, 4096, 4096, 132))  # 64 tokens a tile: 2 splits
+    # Where the device reads through TMA, tiles of up to 16 tokens do, and take W8A16 whatever their split.
+    through_tma = [fp8_matmul.rows_tile(rows, 28672, 4096, 132, tma=True) for rows in (2, 8, 16, 17, 64)]
+    assert [tile.tma for tile in through_tma] == [True, True, True, False, False]
+    assert [fp8_matmul.w8a16_is_faster(tile) for tile in through_tma] == [True, True, True, False, False]
     assert split(8, 960, 576) == 1 and split(8, 960, 1024) == 2  # 576 codes: three 256-code slices
     assert split(8, 64, 4096, sms=4) == 4 and split(8, 512, 4096, sms=4) == 1
     with pytest.raises(ValueError, match="split_k must be 1 to 4"):

@@ -19,6 +19,8 @@ FP8 model's linear layers run on the tensor cores, one of two ways:
 The Triton kernel puts the weight rows on the tensor cores' 64-row side and the tokens on the narrow
 side, so 2-64 tokens fill an MMA without padding to 64; where a matrix has too few output tiles to fill
 the GPU it splits K over several programs, the last to finish adding their partial sums (``rows_tile``).
+Up to 16 tokens, on sm_90 and later, it reads the weight slices through TMA (bulk copies into shared
+memory) rather than with every thread's loads (``ROWS_TMA``).
 Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
 ``w8a16_is_faster``).
 
@@ -32,6 +34,7 @@ dependent launch, while the kernel before it, attention say, still runs).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,10 +161,13 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 #: launches its kernels so) by default, and whether its programs prefetch their first weight slices into L2.
 ROWS_DEPENDENT_LAUNCH = False
 ROWS_L2_PREFETCH = False
-#: Whether the rows kernel reads its weight slices through the tensor memory accelerator (TMA: one bulk
-#: copy a slice into shared memory, on sm_90 and later) by default, rather than with the loads of every
-#: thread.
-ROWS_TMA = False
+#: Whether ``rows_tile`` has tiles of up to 16 tokens read their weight slices through the tensor memory
+#: accelerator (TMA: one bulk copy a slice into shared memory, sm_90 and later) where the device has one,
+#: rather than with every thread's loads. Measured on an H100 (profiles/notes_fp8.md): W8A16 through TMA
+#: was the fastest kernel on each Llama-3-8B matrix at 8 and 16 tokens (the layer's four products 8 %
+#: faster than the tiles before); at 64 tokens TMA changed the step by +0.4 %, so larger tiles keep the
+#: threads' loads.
+ROWS_TMA = True
 #: K slices of its range a program asks for (the 8B's down at 8 rows: all of it would be the whole 59 MB
 #: matrix at once, more than L2 holds).
 ROWS_L2_PREFETCH_SLICES = 4
@@ -339,7 +345,7 @@ class RowsTile:
     num_warps: int
     num_stages: int
     split_k: int = 1
-    tma: bool | None = None  # weight slices through TMA (None: the module's ROWS_TMA; ``_reads_through_tma``)
+    tma: bool = False  # weight slices through TMA, where the device and the weight allow (``reads_through_tma``)
 
     def __post_init__(self) -> None:
         if not 1 <= self.split_k <= MAX_SPLIT_K:
@@ -355,14 +361,15 @@ MIN_SLICES_PER_SPLIT = 2
 #: of a large GPU idle (profiles/notes_fp8.md).
 SPLIT_PROGRAMS_PER_SM = 2
 
-def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int) -> RowsTile:
+def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int, tma: bool = False) -> RowsTile:
     """The tile for ``rows`` tokens: up to 64 of them a program (padded to 16, the tensor cores'
     smallest multiple), 64 weight rows, K slices of 256 codes prefetched four deep (128 six deep for
     unsplit 64-token tiles), 4 warps: over the Llama-3-8B and 1B matrices at 8 and 64 rows the fastest
     of the tiles timed (profiles/notes_fp8.md).
     Where those programs number fewer than ``SPLIT_PROGRAMS_PER_SM`` an SM (one with more than 16 tokens
     a tile), K is split to come closer (at most ``MAX_SPLIT_K`` ways, each split keeping
-    ``MIN_SLICES_PER_SPLIT`` slices). Host values only: safe before capture."""
+    ``MIN_SLICES_PER_SPLIT`` slices). ``tma``: the device reads through TMA (``tma_available``); tiles of 16
+    tokens then do where ``ROWS_TMA`` says so. Host values only: safe before capture."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_k = min(256, max(32, triton.next_power_of_2(in_features)))
     block_n = 64
@@ -372,17 +379,35 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
     if block_m == 64 and split_k == 1 and block_k > 128:
         # Unsplit 64-token tiles (the many-tile matrices: gate/up) ran faster on 128-code slices six deep.
         return RowsTile(block_m, block_n, 128, num_warps=4, num_stages=6)
-    return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
+    return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k,
+                    tma=tma and ROWS_TMA and block_m == 16)
 
 
 def w8a16_is_faster(tile: RowsTile) -> bool:
     """Whether a product of 2-16 tokens (``kernel_policy.GemvThresholds.w8a16_max_tokens``) whose
-    ``rows_tile`` is ``tile`` runs faster on the W8A16 kernel than on FP8 tensor cores: where that tile
+    ``rows_tile`` is ``tile`` runs faster on the W8A16 kernel than on FP8 tensor cores: where the tile
+    reads its weights through TMA (every Llama-3-8B matrix at 8 and 16 tokens on an H100), else where it
     splits K the most ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far
     more than the FP8 x FP8 one, which also pays a quantisation launch; where K is split less or not at
-    all the FP8 kernel was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows,
-    profiles/notes_fp8.md, which names the one GPU measured; others take the same rule unmeasured)."""
-    return tile.split_k == MAX_SPLIT_K
+    all the FP8 kernel was as fast or faster with the threads' loads (the Llama-3-8B and 1B matrices at
+    2, 8 and 16 rows on the H200). profiles/notes_fp8.md names the GPUs measured; others take the same
+    rule unmeasured."""
+    return tile.tma or tile.split_k == MAX_SPLIT_K
+
+
+def tma_available(device: torch.device) -> bool:
+    """Whether the rows kernel can read through TMA on ``device``: an NVIDIA GPU of compute capability 9.0
+    or later, or Triton's interpreter (which runs the descriptor loads on the CPU, so CPU tests take the
+    branch)."""
+    if triton_interpreter_on():
+        return True
+    return device.type == "cuda" and _cuda_has_tma(device.index if device.index is not None
+                                                   else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_has_tma(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 #: Split-K scratch per device: float32 partial sums and int32 arrival counts (zero between launches:
@@ -429,7 +454,7 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         return out
     if width == 0:  # an empty sum: the bias alone
         return out.copy_(bias.to(out_dtype).expand_as(out)) if bias is not None else out.zero_()
-    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device))
+    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device), tma_available(x.device))
     even = weight.shape[0] % tile.block_n == 0 and width % tile.block_k == 0
     dot_f32 = out_dtype == torch.float32
     col_tiles, row_tiles = triton.cdiv(weight.shape[0], tile.block_n), triton.cdiv(rows, tile.block_m)
@@ -437,7 +462,7 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
     split_k = triton.cdiv(slices, slices_per_split)  # every split has at least one slice
     partials = arrivals = out  # not touched without a split
-    tma = _reads_through_tma(weight, tile)
+    tma = reads_through_tma(weight, tile)
     if split_k > 1:
         partials, arrivals = _split_workspace(x.device, split_k * col_tiles * row_tiles * tile.block_n * tile.block_m,
                                               col_tiles * row_tiles)
@@ -453,18 +478,12 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     return out
 
 
-def _reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
-    """Whether the rows kernel reads ``weight``'s slices through TMA: ``tile.tma`` (None: ``ROWS_TMA``), on
-    an NVIDIA GPU of compute capability 9.0 or later or in Triton's interpreter (which runs the descriptor
-    loads on the CPU, so CPU tests take the branch), for a weight TMA can address: rows whose byte
-    stride is a multiple of 16 starting 16-byte aligned."""
-    wanted = ROWS_TMA if tile.tma is None else tile.tma
-    if not wanted or weight.stride(0) % 16 or weight.data_ptr() % 16:
-        return False
-    if triton_interpreter_on():
-        return True
-    return (weight.device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(weight.device)[0] >= 9)
+def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
+    """Whether the rows kernel reads ``weight``'s slices through TMA: ``tile.tma``, where the device has it
+    (``tma_available``), for a weight TMA can address (rows whose byte stride is a multiple of 16,
+    starting 16-byte aligned); else with the threads' loads."""
+    return (tile.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and tma_available(weight.device))
 
 
 def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | None) -> dict:

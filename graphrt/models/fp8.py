@@ -213,7 +213,8 @@ class Fp8Linear(nn.Module):
         if not _runs_cuda_kernels(device) or self.scale_columns is not None:
             return None
         kernels = _fp8_matmul()
-        tile = kernels.rows_tile(rows, self.out_features, self.in_features, kernels.multiprocessors(device))
+        tile = kernels.rows_tile(rows, self.out_features, self.in_features, kernels.multiprocessors(device),
+                                 kernels.tma_available(device))
         fp8_activations = self.tensor_cores and rows > 1 and not (
             rows <= self.w8a16_max_tokens and kernels.w8a16_is_faster(tile))
         return fp8_activations, tile
