@@ -13,9 +13,8 @@
 #   bench-fp8-b64                      FP8 weights at batch 64 only (1B, 8B; the FP8 cache at 4096)
 #   tiles-fp8                          tiles_in_step.py: the batch-1 FP8 GEMV tiles chosen in the captured step (8B, 1B)
 #   tiles-fp8-wide                     the same over the wider grid around the first round's winners (--wide)
-#   prefetch-ab                        step_ab.py: the batch-1 GEMV kernels and the paged decode prefetching into L2
-#   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch, + L2 prefetch,
-#                                      its weights through TMA (alone, as a dependent)
+#   decode-prefetch-ab                 step_ab.py: at batch 1 the paged decode prefetching its first K/V tile into L2
+#   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch
 #   rows-tma-ab                        step_ab.py: FP8 at batch 8 / 16, the rows kernel through TMA against the threads' loads
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
@@ -107,38 +106,31 @@ for stage in $stages; do
           --json "$OUT/tiles_in_step_fp8_wide_${model}_$TAG.json" | tee "$OUT/tiles_in_step_fp8_wide_${model}_$TAG.txt" || status=1
       done
       ;;
-    prefetch-ab)
-      # At batch 1: the GEMV kernels asking L2 for their later weight slices before the dependent wait,
-      # the paged decode for its first K/V tile, and both, against neither, in the captured step; FP8
-      # then bf16 weights, the 8B then the 1B.
-      gemv=graphrt.kernels.gemv.L2_PREFETCH=True
-      deeper=graphrt.kernels.gemv.L2_PREFETCH_SLICES=3
-      decode=graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True
+    decode-prefetch-ab)
+      # At batch 1: the paged decode asking L2 for each program's first K/V tile before its dependent wait,
+      # against not, in the captured step; FP8 then bf16 weights, the 8B then the 1B.
       for spec in "llama-3-8b fp8" "llama-3.2-1b fp8" "llama-3-8b none" "llama-3.2-1b none"; do
         set -- $spec
-        log "step_ab.py $1 weights $2: L2 prefetch in the GEMV kernels (one slice ahead, three), the decode, both"
-        python profiles/step_ab.py --model "random:$1" --quantization "$2" --set "$gemv" --set "$gemv,$deeper" \
-          --set "$decode" --set "$gemv,$decode" --json "$OUT/l2_prefetch_ab_$1_$2_$TAG.json" || status=1
+        log "step_ab.py $1 weights $2: the paged decode's first K/V tile prefetched into L2"
+        python profiles/step_ab.py --model "random:$1" --quantization "$2" \
+          --set graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True \
+          --json "$OUT/decode_prefetch_ab_$1_$2_$TAG.json" || status=1
       done
       ;;
     rows-dependent-ab)
-      # FP8 at batch 8 and 64: the rows kernel launched as a programmatic dependent, then also prefetching
-      # its weights into L2; reading them through TMA, alone and as a dependent; against none of these, in
-      # the captured step (the 8B, then the 1B at batch 8).
-      dependent=graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True
-      prefetch=graphrt.kernels.fp8_matmul.ROWS_L2_PREFETCH=True
-      tma=graphrt.kernels.fp8_matmul.ROWS_TMA=True
+      # FP8 at batch 8 and 64: the rows kernel launched as a programmatic dependent against not, in the
+      # captured step (the 8B, then the 1B at batch 8).
       for spec in "llama-3-8b 8" "llama-3-8b 64" "llama-3.2-1b 8"; do
         set -- $spec
-        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent, with its L2 prefetch, its weights through TMA"
-        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" --set "$dependent" \
-          --set "$dependent,$prefetch" --set "$tma" --set "$tma,$dependent" \
+        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent"
+        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" \
+          --set graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True \
           --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
       done
       ;;
     rows-tma-ab)
-      # FP8 at 8 and 16 tokens: the rows kernel through TMA (the default, W8A16 on every matrix) against
-      # the threads' loads (ROWS_TMA off: FP8 x FP8 where K splits less than 4 ways), in the captured step.
+      # FP8 at 8 and 16 tokens: the rows kernel through TMA (the default on sm_90+) against the threads'
+      # loads (ROWS_TMA off), in the captured step.
       for spec in "llama-3-8b 8" "llama-3.2-1b 8" "llama-3-8b 16"; do
         set -- $spec
         log "step_ab.py $1 FP8 batch $2: the rows kernel through TMA (A) against the threads' loads"

@@ -119,10 +119,12 @@ def test_rows_tiles_split_k_where_programs_would_leave_multiprocessors_idle():
             for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048))] == [
         False, True, False, True, True]
     assert not fp8_matmul.w8a16_is_faster(fp8_matmul.rows_tile(64, 4096, 4096, 132))  # 64 tokens a tile: 2 splits
-    # Where the device reads through TMA, tiles of up to 16 tokens do, and take W8A16 whatever their split.
-    through_tma = [fp8_matmul.rows_tile(rows, 28672, 4096, 132, tma=True) for rows in (2, 8, 16, 17, 64)]
-    assert [tile.tma for tile in through_tma] == [True, True, True, False, False]
-    assert [fp8_matmul.w8a16_is_faster(tile) for tile in through_tma] == [True, True, True, False, False]
+    # Where the device reads through TMA, tiles of up to 16 tokens do; the kernel each takes is unchanged.
+    for n, k in ((28672, 4096), (4096, 4096)):
+        through_tma = [fp8_matmul.rows_tile(rows, n, k, 132, tma=True) for rows in (2, 8, 16, 17, 64)]
+        assert [tile.tma for tile in through_tma] == [True, True, True, False, False]
+        assert [fp8_matmul.w8a16_is_faster(tile) for tile in through_tma] == [
+            fp8_matmul.w8a16_is_faster(fp8_matmul.rows_tile(rows, n, k, 132)) for rows in (2, 8, 16, 17, 64)]
     assert split(8, 960, 576) == 1 and split(8, 960, 1024) == 2  # 576 codes: three 256-code slices
     assert split(8, 64, 4096, sms=4) == 4 and split(8, 512, 4096, sms=4) == 1
     with pytest.raises(ValueError, match="split_k must be 1 to 4"):
@@ -292,13 +294,12 @@ def test_w8a16_clamps_activations_to_the_float16_range():
     assert ((got.double() - expected).abs() <= 2**-8 * expected.abs() + 2**-20 * terms).all()
 
 
-# -- the rows kernel as a programmatic dependent, with its weights prefetched into L2 ---------------------
+# -- the rows kernel as a programmatic dependent, and reading through TMA ---------------------------------
 
 
 def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait():
     """sm_90: launched as a dependent, the rows kernel reads nothing before its wait (x comes from the
-    kernel before, and the split scratch must not be touched while that kernel may still use it); with
-    the prefetch, its weight lines are asked for before the wait."""
+    kernel before, and the split scratch must not be touched while that kernel may still use it)."""
     from sm90_compile import compile_for_sm90
 
     signature = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv",
@@ -306,27 +307,22 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
                  "arrivals_ptr": "*i32",
                  **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
     cases = []
-    for x_codes, split_k, prefetch, pdl in ((False, 4, False, True), (False, 4, True, True), (True, 1, True, True),
-                                            (False, 4, True, False)):
+    for x_codes, split_k, pdl in ((False, 4, True), (True, 1, True), (False, 4, False)):
         signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {})}
         cases.append(dict(
-            name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'-prefetch' if prefetch else ''}"
-                 f"{'' if pdl else '-plain'}",
+            name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, PREFETCH_LINES=2 if prefetch else 0,
-                            LINE_ELEMS=128, PREFETCH_SLICES=fp8_matmul.ROWS_L2_PREFETCH_SLICES, TMA=False),
+                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False),
             num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
-        if not case["constexprs"]["PDL"]:  # launched plainly: no wait, the prefetch still compiled in
+        if not case["constexprs"]["PDL"]:  # launched plainly: no wait
             assert result["dependency_waits"] == 0 and result["loads_before_wait"] is None, case["name"]
             continue
         assert result["dependency_waits"] >= 1 and result["dependency_launches"] >= 1, case["name"]
         assert result["loads_before_wait"] == 0, (case["name"], result)
-        prefetched = case["constexprs"]["PREFETCH_LINES"] > 0
-        assert (result["l2_prefetches_before_wait"] > 0) == prefetched, (case["name"], result)
 
 
 def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
@@ -346,8 +342,7 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
             name=f"rows-tma-{'fp8' if x_codes else 'w8a16'}-split{split_k}-k{block_k}x{stages}{'-pdl' if pdl else ''}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, PREFETCH_LINES=0, LINE_ELEMS=128,
-                            PREFETCH_SLICES=1, TMA=True),
+                            BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, TMA=True),
             num_warps=4, num_stages=stages, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
@@ -375,11 +370,11 @@ def test_fp8_layers_take_the_models_dependent_launch():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("rows", [2, 8, 16, 64])
 @pytest.mark.parametrize("out_features,in_features", [(2048, 8192), (6144, 4096), (4096, 14336), (28672, 4096)])
-def test_rows_kernel_as_a_dependent_with_prefetch_changes_no_bit_gpu(rows, out_features, in_features):
-    """The rows kernel launched as a dependent with its weights prefetched into L2, right after the kernel
-    that writes its input (a GEMV launched as a dependent too, which lets the next kernel start at once)
-    over NaN: a read of the input before the wait would see NaN. The same bits as the plain launches, on
-    both paths (W8A16 and FP8 x FP8), split or not."""
+def test_rows_kernel_as_a_dependent_changes_no_bit_gpu(rows, out_features, in_features):
+    """The rows kernel launched as a dependent, right after the kernel that writes its input (a GEMV
+    launched as a dependent too, which lets the next kernel start at once) over NaN: a read of the input
+    before the wait would see NaN. The same bits as the plain launches, on both paths (W8A16 and FP8 x
+    FP8), split or not, through TMA (up to 16 rows on sm_90) or not."""
     from graphrt.kernels import gemv
 
     dependent = torch.cuda.get_device_capability()[0] >= 9
@@ -391,7 +386,7 @@ def test_rows_kernel_as_a_dependent_with_prefetch_changes_no_bit_gpu(rows, out_f
         plain = function(x, codes, scale)
         produced = torch.full_like(x, float("nan"))
         gemv.linear_gemv(source, producer, out=produced, dependent_launch=dependent)
-        early = function(produced, codes, scale, dependent_launch=dependent, l2_prefetch=True)
+        early = function(produced, codes, scale, dependent_launch=dependent)
         assert torch.equal(produced, x) and torch.equal(plain, early), function.__name__
 
 

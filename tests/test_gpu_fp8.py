@@ -121,9 +121,9 @@ def test_an_fp8_checkpoint_loaded_by_graphrt_and_by_transformers_on_the_gpu(tmp_
     assert (theirs.max(dim=-1).values - chosen).max() < 0.1 * theirs.abs().max()
 
 
-#: The kernel each forward takes on 132 SMs without TMA: one token W8A16; 2-16 tokens W8A16 on the matrices
+#: The kernel each forward takes on an H200's 132 SMs: one token W8A16; 2-16 tokens W8A16 on the matrices
 #: split 4 ways (the 8B's O, the 1B's down), FP8 tensor cores on the others (the 8B's gate/up); more than
-#: 16 tokens FP8 tensor cores. With TMA (sm_90+) 2-16 tokens take W8A16 on every matrix.
+#: 16 tokens FP8 tensor cores.
 EXPECTED_KERNELS = {
     (4096, 4096): {1: "w8a16_matmul", 2: "w8a16_matmul", 8: "w8a16_matmul", 16: "w8a16_matmul", 17: "scaled_mm",
                    64: "scaled_mm"},
@@ -153,10 +153,7 @@ def test_fp8_linear_takes_the_kernel_the_policy_names(monkeypatch, rows, out_fea
         monkeypatch.setattr(fp8_matmul, name, lambda *a, _f=original, _n=name, **k: taken.append(_n) or _f(*a, **k))
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     got = layer(x)
-    expected_kernel = EXPECTED_KERNELS[out_features, in_features][rows]
-    if fp8_matmul.ROWS_TMA and fp8_matmul.tma_available(x.device) and rows <= 16:
-        expected_kernel = "w8a16_matmul"
-    assert taken == [expected_kernel]
+    assert taken == [EXPECTED_KERNELS[out_features, in_features][rows]]
     weight = layer.dequantized_weight(torch.float32).double()
     expected = x.double() @ weight.T
     assert ((got.double() - expected).abs() <= 2**-4 * (x.double().abs() @ weight.abs().T) + 1e-6).all()

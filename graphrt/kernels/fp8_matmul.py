@@ -24,12 +24,10 @@ memory) rather than with every thread's loads (``ROWS_TMA``).
 Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
 ``w8a16_is_faster``).
 
-Two switches, off until a measurement of the captured step says otherwise (``profiles/step_ab.py``):
-``ROWS_DEPENDENT_LAUNCH``, the rows kernel launched as a programmatic dependent of the kernel before it
+``ROWS_DEPENDENT_LAUNCH`` (off: it measured -0.4 to +0.9 % in the captured step, profiles/notes_fp8.md)
+launches the rows kernel as a programmatic dependent of the kernel before it
 (``graphrt.kernels.dependent_launch``: its programs start during that kernel's tail and wait before they
-read its output), and ``ROWS_L2_PREFETCH``, each program asking L2 for the first
-``ROWS_L2_PREFETCH_SLICES`` slices of its weight range when it starts, before that wait (with the
-dependent launch, while the kernel before it, attention say, still runs).
+read its output).
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.l2_prefetch import L2_LINE_BYTES, prefetch_to_l2, prefetching
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -158,19 +155,14 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 
 
 #: Whether the decoder's FP8 layers launch the rows kernel as a programmatic dependent (where the model
-#: launches its kernels so) by default, and whether its programs prefetch their first weight slices into L2.
+#: launches its kernels so) by default.
 ROWS_DEPENDENT_LAUNCH = False
-ROWS_L2_PREFETCH = False
 #: Whether ``rows_tile`` has tiles of up to 16 tokens read their weight slices through the tensor memory
 #: accelerator (TMA: one bulk copy a slice into shared memory, sm_90 and later) where the device has one,
-#: rather than with every thread's loads. Measured on an H100 (profiles/notes_fp8.md): W8A16 through TMA
-#: was the fastest kernel on each Llama-3-8B matrix at 8 and 16 tokens (the layer's four products 8 %
-#: faster than the tiles before); at 64 tokens TMA changed the step by +0.4 %, so larger tiles keep the
-#: threads' loads.
+#: rather than with every thread's loads. Measured in the captured step on an H100 (profiles/notes_fp8.md):
+#: the Llama-3-8B in FP8 2.4 % faster at batch 8 and 1.9 % at 16, the 1B 0.7 % at 8, the same tokens; at
+#: 64 tokens TMA made the step 0.4 % slower, so larger tiles keep the threads' loads.
 ROWS_TMA = True
-#: K slices of its range a program asks for (the 8B's down at 8 rows: all of it would be the whole 59 MB
-#: matrix at once, more than L2 holds).
-ROWS_L2_PREFETCH_SLICES = 4
 
 #: Most rows ``scaled_mm`` runs on the Triton kernel (``_weight_rows_kernel``); more go to cuBLAS
 #: (``torch._scaled_mm``). At 8 and 64 rows of the Llama-3-8B and 1B matrices the Triton kernel at its
@@ -180,8 +172,8 @@ TRITON_MAX_ROWS = 64
 
 
 def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, tile: RowsTile | None = None, *, dependent_launch: bool = False,
-              l2_prefetch: bool | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, tile: RowsTile | None = None, *,
+              dependent_launch: bool = False) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` on FP8 tensor cores, x quantised per row.
 
     x: [M, K] 16-bit or float32 on CUDA, or ``QuantizedRows`` its producer already quantised (then no
@@ -191,8 +183,7 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     accumulator, about 14 bits, is added into float32 registers every K slice); more rows:
     ``torch._scaled_mm`` with row-wise scales, written in bfloat16 (the one output type row-wise
     scaling takes) and converted when x is not bfloat16. No host sync: safe inside a CUDA graph.
-    ``dependent_launch``, ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``): the Triton kernel's launch as a
-    programmatic dependent and its programs' L2 prefetch of their weights (the module docstring).
+    ``dependent_launch``: the Triton kernel launched as a programmatic dependent (the module docstring).
     """
     quantized = isinstance(x, QuantizedRows)
     if quantized and (x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],)
@@ -205,7 +196,7 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     _check_bias(weight, bias)
     codes, scales = (x.codes, x.scales) if quantized else quantize_rows(x)
     if codes.shape[0] <= TRITON_MAX_ROWS:
-        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile, dependent_launch, l2_prefetch)
+        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile, dependent_launch)
     out = torch._scaled_mm(codes, weight.t(), scale_a=scales[:, None], scale_b=weight_scale[None, :],
                            out_dtype=torch.bfloat16)
     if bias is not None:
@@ -241,9 +232,6 @@ def _weight_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
-    PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines of a weight row's K slice (0: no prefetch)
-    LINE_ELEMS: tl.constexpr = 128,  # codes a line holds
-    PREFETCH_SLICES: tl.constexpr = 4,  # the first slices of the program's K range prefetched
     TMA: tl.constexpr = False,  # the weight slices come through the tensor memory accelerator (w_desc)
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
@@ -259,12 +247,6 @@ def _weight_rows_kernel(
     k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH_LINES > 0:  # the weights are static: asked for before the wait
-        lines = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
-        row_starts = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-        for k in range(k_begin, tl.minimum(k_end, k_begin + PREFETCH_SLICES * BLOCK_K), BLOCK_K):
-            prefetch_to_l2(row_starts + k + lines, col_ok[:, None] & (k + lines < k_end))
-    if PDL:
         # x (a kernel of the step wrote it), the split scratch and the output only after the kernel before
         # has finished: a launch that started early never meets the one before it on the scratch.
         tl.extra.cuda.gdc_wait()
@@ -385,14 +367,14 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
 
 def w8a16_is_faster(tile: RowsTile) -> bool:
     """Whether a product of 2-16 tokens (``kernel_policy.GemvThresholds.w8a16_max_tokens``) whose
-    ``rows_tile`` is ``tile`` runs faster on the W8A16 kernel than on FP8 tensor cores: where the tile
-    reads its weights through TMA (every Llama-3-8B matrix at 8 and 16 tokens on an H100), else where it
+    ``rows_tile`` is ``tile`` runs faster on the W8A16 kernel than on FP8 tensor cores: where that tile
     splits K the most ways (the matrices of fewest output rows). Splitting helped the W8A16 kernel far
     more than the FP8 x FP8 one, which also pays a quantisation launch; where K is split less or not at
-    all the FP8 kernel was as fast or faster with the threads' loads (the Llama-3-8B and 1B matrices at
-    2, 8 and 16 rows on the H200). profiles/notes_fp8.md names the GPUs measured; others take the same
-    rule unmeasured."""
-    return tile.tma or tile.split_k == MAX_SPLIT_K
+    all the FP8 kernel was as fast or faster (the Llama-3-8B and 1B matrices at 2, 8 and 16 rows,
+    profiles/notes_fp8.md, which names the GPUs measured; others take the same rule unmeasured). Through
+    TMA too: W8A16 on every matrix measured slower in the step than this rule (the producers before QKV
+    and gate/up quantise their outputs for free, which a matrix timed alone does not show)."""
+    return tile.split_k == MAX_SPLIT_K
 
 
 def tma_available(device: torch.device) -> bool:
@@ -443,9 +425,9 @@ def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[t
 
 def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None,
-                 dependent_launch: bool = False, l2_prefetch: bool | None = None) -> torch.Tensor:
+                 dependent_launch: bool = False) -> torch.Tensor:
     """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None);
-    ``dependent_launch``, ``l2_prefetch``: as ``scaled_mm``'s."""
+    ``dependent_launch``: as ``scaled_mm``'s."""
     if x.stride(-1) != 1:
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
@@ -473,7 +455,7 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
         slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
         SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        **_prefetch_lines(x.device, tile, l2_prefetch), TMA=tma, num_warps=tile.num_warps,
+        TMA=tma, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
 
@@ -486,17 +468,9 @@ def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
             and tma_available(weight.device))
 
 
-def _prefetch_lines(device: torch.device, tile: RowsTile, l2_prefetch: bool | None) -> dict:
-    """The rows kernel's ``PREFETCH_LINES`` (a weight row's K slice in lines; 0: none), ``LINE_ELEMS`` and
-    ``PREFETCH_SLICES``: with ``l2_prefetch`` (None: ``ROWS_L2_PREFETCH``) where PTX runs only (not the
-    interpreter)."""
-    lines = max(1, tile.block_k // L2_LINE_BYTES) if prefetching(l2_prefetch, ROWS_L2_PREFETCH, device) else 0
-    return {"PREFETCH_LINES": lines, "LINE_ELEMS": L2_LINE_BYTES, "PREFETCH_SLICES": max(1, ROWS_L2_PREFETCH_SLICES)}
-
-
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, tile: RowsTile | None = None, *, dependent_launch: bool = False,
-                 l2_prefetch: bool | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tile: RowsTile | None = None, *,
+                 dependent_launch: bool = False) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` with the codes widened in registers (W8A16).
 
     x: [M, K] (columns contiguous) 16-bit or float32; weight: [N, K] float8_e4m3fn, contiguous;
@@ -505,11 +479,11 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     code, and for activations of magnitude 2**-14 to 65504 (every bfloat16 value in that range is a
     float16 one; smaller ones lose bits below 2**-24, larger ones are clamped to 65504). float32
     activations multiply in float32. Any M; built for a few rows (``rows_tile``). No host sync: safe
-    inside a CUDA graph. ``dependent_launch``, ``l2_prefetch``: as ``scaled_mm``'s.
+    inside a CUDA graph. ``dependent_launch``: as ``scaled_mm``'s.
     """
     _check_weight(x, weight, weight_scale)
     _check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, l2_prefetch)
+    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch)
 
 
 def _check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
