@@ -148,9 +148,6 @@ def _qkv_rope_cache_kernel(
     THREAD_SUM: tl.constexpr,  # gemv.TileConfig.thread_sum
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (gemv.norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
-    PREFETCH_LINES: tl.constexpr = 0,  # gemv.prefetch_lines
-    LINE_ELEMS: tl.constexpr = 1,
-    PREFETCH_SLICES: tl.constexpr = 1,
 ):
     HALF = HEAD_SIZE // 2
     token = tl.program_id(0)  # tokens first: one tile's programs for every token run back to back
@@ -175,8 +172,7 @@ def _qkv_rope_cache_kernel(
         second_bias = tl.load(bias_ptr + first_cols + HALF).to(tl.float32)
     first, second, _ = gemv.row_products(x_row, w_ptr, stride_w, first_cols, first_cols + HALF, every, norm_w_ptr,
                                          x_row, scale_ptr, K, eps, NORM, True, False, W_SCALED, BLOCK_K, THREAD_SUM,
-                                         NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS,
-                                         PREFETCH_SLICES)
+                                         NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         first += first_bias
         second += second_bias
@@ -223,7 +219,6 @@ def project_rope_and_write_kv_cache(
     out: torch.Tensor | None = None,
     dependent_launch: bool = False,
     weight_scale: torch.Tensor | None = None,
-    l2_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """The QKV projection of a few tokens (fast for one), rotated and stored in the cache, in one kernel:
     ``linear_gemv(x, weight, bias, norm_weight=...)`` then ``rope_and_write_kv_cache`` on its output,
@@ -234,8 +229,7 @@ def project_rope_and_write_kv_cache(
     positions, cos, sin, kv_cache, slot_mapping, scales: as ``rope_and_write_kv_cache`` (kv_cache None:
     rotate only). Returns ``out`` [T, (H + 2 * KVH) * D] (allocated when None; contiguous columns, not
     sharing memory with x): q and k rotated, v as projected. Nothing is allocated when ``out`` is given, and the launch
-    depends on shapes only: safe inside a CUDA graph. ``dependent_launch``, ``l2_prefetch``: as
-    ``linear_gemv``.
+    depends on shapes only: safe inside a CUDA graph. ``dependent_launch``: as ``linear_gemv``.
     """
     num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight, weight_scale=weight_scale)
     width = (num_heads + 2 * num_kv_heads) * head_size
@@ -259,7 +253,6 @@ def project_rope_and_write_kv_cache(
         HAS_BIAS=bias is not None, W_SCALED=weight_scale is not None, WRITE_CACHE=write,
         QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
-        **gemv.prefetch_lines(weight, config, l2_prefetch),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out

@@ -1,14 +1,15 @@
 """Module-level switches of graphrt A/B'd inside the captured decode step: the step's graph captured with
 the switches as they stand (A), then with each variant's values, replayed in alternating rounds.
 
-A switch such as ``graphrt.kernels.gemv.L2_PREFETCH`` changes what the decode graph's kernels do, not
-its shape; the graph is recaptured for each side (``tiles_in_step.StepTimer``), so a round compares
-graphs of the same engine on the same cache. Prints each round, the medians and the greedy token of each
-side (a kernel change that alters results shows there); writes it all as JSON. Needs CUDA.
+A switch such as ``graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE`` changes what the decode
+graph's kernels do, not its shape; the graph is recaptured for each side (``tiles_in_step.StepTimer``), so a
+round compares graphs of the same engine on the same cache. Prints each round, the medians and the greedy
+token of each side (a kernel change that alters results shows there); writes it all as JSON. Needs CUDA.
 
-    python profiles/step_ab.py --model random:llama-3-8b --quantization fp8 \\
-        --set graphrt.kernels.gemv.L2_PREFETCH=True \\
-        --set graphrt.kernels.gemv.L2_PREFETCH=True,graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True
+    python profiles/step_ab.py --model random:llama-3-8b --quantization fp8 --batch-size 8 \\
+        --set graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True \\
+        --set graphrt.kernels.fp8_matmul.ROWS_TMA=False \\
+        --set graphrt.kernels.fp8_matmul.ROWS_TMA=False,graphrt.attention.triton_paged_decode.L2_PREFETCH_FIRST_TILE=True
 """
 
 import argparse

@@ -40,14 +40,12 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
 
 
 def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in_features: int = 2048,
-              fp8_weight: bool = False, prefetch: bool = False) -> dict:
+              fp8_weight: bool = False) -> dict:
     """A case for ``graphrt.kernels.gemv._gemv_kernel``: ``dtype`` "bf16"/"fp32"; ``variant`` "bias",
     "norm", "norm_silu", "silu" or "add" (as tests/test_gemv.py names them); ``config`` a
     ``gemv.TileConfig``; ``in_features`` sets the norm's row load (``gemv.norm_block``); ``fp8_weight``:
-    the weight is FP8 E4M3 codes with per-row float32 scales; ``prefetch``: the weight slices after the
-    first are prefetched into L2 (``gemv.prefetch_lines``)."""
+    the weight is FP8 E4M3 codes with per-row float32 scales."""
     from graphrt.kernels import gemv
-    from graphrt.kernels.l2_prefetch import line_elements
 
     pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "out_ptr")}
     pointers.update(scale_ptr="*fp32", **({"w_ptr": "*fp8e4nv"} if fp8_weight else {}))
@@ -58,9 +56,6 @@ def gemv_case(name: str, dtype: str, variant: str, config, pdl: bool = False, in
                       W_SCALED=fp8_weight, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       THREAD_SUM=config.thread_sum, NORM_BLOCK=gemv.norm_block(in_features),
                       PDL=pdl)
-    line_elems = line_elements(1 if fp8_weight else 4 if dtype == "fp32" else 2)
-    constexprs.update(PREFETCH_LINES=max(1, config.block_k // line_elems) if prefetch else 0, LINE_ELEMS=line_elems,
-                      PREFETCH_SLICES=gemv.L2_PREFETCH_SLICES)
     return dict(name=name, module="graphrt.kernels.gemv", kernel="_gemv_kernel",
                 signature={**pointers, **integers, "eps": "fp32"}, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=3, launch_pdl=pdl,  # stages: Triton's default, as launched

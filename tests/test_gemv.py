@@ -9,10 +9,8 @@ writes them. Small shapes on the CPU under Triton's interpreter, the models' sha
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,43 +209,6 @@ def test_linear_gemv_grid_gpu(variant, rows, out_features, in_features, dtype):
 ])
 def test_fp8_weights_grid_gpu(variant, out_features, in_features, dtype):
     check(variant, 1, out_features, in_features, dtype, seed=out_features + in_features, fp8_weight=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("fp8_weight", [False, True])
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("out_features,in_features", [
-    (2048, 8192), (16384, 2048), (4096, 14336), (28672, 4096), (1000, 1100)])  # 1B down, gate/up; 8B; odd
-def test_l2_prefetch_grid_gpu(variant, out_features, in_features, fp8_weight):
-    """The later weight slices prefetched into L2 (a hint): the same products, launched plainly and as a
-    dependent."""
-    for dependent in (False, True) if torch.cuda.get_device_capability()[0] >= 9 else (False,):
-        check(variant, 1, out_features, in_features, torch.bfloat16, seed=out_features + in_features + dependent,
-              fp8_weight=fp8_weight,
-              linear=functools.partial(gemv.linear_gemv, l2_prefetch=True, dependent_launch=dependent))
-
-
-def test_l2_prefetch_lines_follow_the_tile_and_stay_off_without_cuda(monkeypatch):
-    def weight(in_features, element_size, device="cuda"):
-        return SimpleNamespace(shape=(64, in_features), device=torch.device(device), element_size=lambda: element_size)
-
-    from graphrt.kernels import l2_prefetch
-
-    monkeypatch.setattr(l2_prefetch, "triton_interpreter_on", lambda: False)
-    tile = gemv.TileConfig(8, 1024, 4, 8)
-    slices = {"PREFETCH_SLICES": gemv.L2_PREFETCH_SLICES}
-    assert gemv.prefetch_lines(weight(4096, 1), tile, True) == {"PREFETCH_LINES": 8, "LINE_ELEMS": 128, **slices}
-    assert gemv.prefetch_lines(weight(4096, 2), tile, True) == {"PREFETCH_LINES": 16, "LINE_ELEMS": 64, **slices}
-    assert gemv.prefetch_lines(weight(1024, 2), tile, True)["PREFETCH_LINES"] == 0  # one slice: nothing after it
-    assert gemv.prefetch_lines(weight(4096, 1), gemv.TileConfig(4, 64, 4), True)["PREFETCH_LINES"] == 1
-    assert gemv.prefetch_lines(weight(4096, 1, "cpu"), tile, True)["PREFETCH_LINES"] == 0  # no PTX there
-    assert gemv.prefetch_lines(weight(4096, 1), tile, None)["PREFETCH_LINES"] == 0  # the default: off
-    monkeypatch.setattr(gemv, "L2_PREFETCH", True)
-    assert gemv.prefetch_lines(weight(4096, 1), tile, None)["PREFETCH_LINES"] == 8
-    assert gemv.prefetch_lines(weight(4096, 1), tile, False)["PREFETCH_LINES"] == 0
-    monkeypatch.setattr(l2_prefetch, "triton_interpreter_on", lambda: True)  # a GPU box under the interpreter
-    assert gemv.prefetch_lines(weight(4096, 1), tile, True)["PREFETCH_LINES"] == 0
 
 
 def test_linear_gemv_rejects_bad_shapes():

@@ -27,7 +27,6 @@ from triton_cpu import interpreted  # noqa: E402
 from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
 from graphrt.kernels import gemv, gemv_rows  # noqa: E402
-from graphrt.kernels.l2_prefetch import line_elements  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -51,11 +50,8 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 
 def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
-          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False,
-          l2_prefetch=None):
-    """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one;
-    ``l2_prefetch``: the one-token kernel's (``gemv.linear_gemv``'s), the reference's left at its default,
-    launched as a dependent where the GPU can."""
+          cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False):
+    """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one."""
     cache_dtype = cache_dtype or dtype
     width = (num_heads + 2 * num_kv_heads) * head_size
     kv_size = num_kv_heads * head_size
@@ -88,7 +84,6 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
     got = project(
         x, weight, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads, num_kv_heads, head_size,
         norm_weight=norm_weight, eps=EPS, k_scale=scales[0], v_scale=scales[1], out=out, weight_scale=weight_scale,
-        **({} if l2_prefetch is None else {"l2_prefetch": l2_prefetch, "dependent_launch": _sm90()}),
     )
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), "an output element was never written"
@@ -111,10 +106,6 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
             rows = rows[keep].float() / scales[kind]  # an fp8 cache holds values / their scale
             flat[kind, slots[keep]] = rows.clamp(-448, 448).to(FP8) if cache_dtype == FP8 else rows.to(cache_dtype)
         torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=0, atol=0, equal_nan=True)
-
-
-def _sm90() -> bool:
-    return CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -216,17 +207,6 @@ def test_fp8_weights_gpu(num_heads, num_kv_heads, head_size, hidden, bias):
           scales=(0.5, 2.0), seed=hidden, fp8_weight=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("fp8_weight", [False, True])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden,bias", [
-    (32, 8, 64, 2048, False), (32, 8, 128, 4096, False), (28, 4, 128, 3584, True)])
-def test_l2_prefetch_gpu(num_heads, num_kv_heads, head_size, hidden, bias, fp8_weight):
-    """With its later weight slices prefetched into L2 the kernel gives what it gives without."""
-    check(1, num_heads, num_kv_heads, head_size, hidden, torch.bfloat16, bias=bias, seed=hidden + 1,
-          fp8_weight=fp8_weight, l2_prefetch=True)
-
-
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(32, 8, 64, 2048), (32, 8, 128, 4096),
                                                                      (9, 3, 64, 576), (16, 2, 80, 1280)])
 def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
@@ -236,18 +216,14 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
 
     width = (num_heads + 2 * num_kv_heads) * head_size
     cases = []
-    for dtype, cache, bias, fp8_weight, prefetch in (
-            ("bf16", "bf16", False, False, False), ("bf16", "fp8e4nv", True, False, False),
-            ("fp32", "fp32", False, False, False), ("bf16", "bf16", False, True, False),
-            ("bf16", "fp8e4nv", True, True, False), ("bf16", "bf16", False, False, True),
-            ("bf16", "fp8e4nv", False, True, True)):
-        element_size = 1 if fp8_weight else 4 if dtype == "fp32" else 2
-        tile = rope_write.qkv_tile(hidden, width, head_size, element_size)
-        line_elems = line_elements(element_size)
+    for dtype, cache, bias, fp8_weight in (("bf16", "bf16", False, False), ("bf16", "fp8e4nv", True, False),
+                                           ("fp32", "fp32", False, False), ("bf16", "bf16", False, True),
+                                           ("bf16", "fp8e4nv", True, True)):
+        tile = rope_write.qkv_tile(hidden, width, head_size, 1 if fp8_weight else 4 if dtype == "fp32" else 2)
         pointers = {arg: f"*{dtype}" for arg in ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "qkv_ptr")}
         pointers.update(scale_ptr="*fp32", **({"w_ptr": "*fp8e4nv"} if fp8_weight else {}))
         cases.append(dict(
-            name=f"{dtype}-{cache}{'-fp8-weight' if fp8_weight else ''}{'-l2-prefetch' if prefetch else ''}",
+            name=f"{dtype}-{cache}{'-fp8-weight' if fp8_weight else ''}",
             module="graphrt.attention.triton_rope_cache_write", kernel="_qkv_rope_cache_kernel",
             signature={**pointers, "cache_ptr": f"*{cache}", "positions_ptr": "*i64", "cos_ptr": "*fp32",
                        "sin_ptr": "*fp32", "slot_ptr": "*i64", "stride_cache_kind": "i64", "eps": "fp32",
@@ -256,8 +232,7 @@ def test_compiles_for_sm90(num_heads, num_kv_heads, head_size, hidden):
             constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, NORM=True,
                             HAS_BIAS=bias, W_SCALED=fp8_weight, WRITE_CACHE=True, QUANTIZE=cache == "fp8e4nv", BLOCK_N=tile.block_n,
                             BLOCK_K=tile.block_k, THREAD_SUM=tile.thread_sum, NORM_BLOCK=gemv.norm_block(hidden),
-                            PDL=True, PREFETCH_LINES=max(1, tile.block_k // line_elems) if prefetch else 0,
-                            LINE_ELEMS=line_elems, PREFETCH_SLICES=gemv.L2_PREFETCH_SLICES),
+                            PDL=True),
             num_warps=tile.num_warps, num_stages=3, launch_pdl=True,
             aligned_ints=["stride_x", "stride_w", "stride_qkv_row", "stride_table_row", "K"]))
     for case, result in zip(cases, compile_for_sm90(cases)):

@@ -21,11 +21,6 @@ are launched back to back): the kernels are built for one row, and the model use
 alone sums its products in another order than in a batch: its logits can differ in the last bits
 (as cuBLAS's own kernels differ between batch sizes), and a greedy near-tie can resolve differently.
 
-``l2_prefetch`` (off by default, ``L2_PREFETCH``): each program of the first row asks L2 for the
-``L2_PREFETCH_SLICES`` weight slices after its first (which it loads) when it starts, before it waits for
-the previous kernel: those bytes then stream while the kernel before it finishes, and a program has more
-than one slice in flight. A hint (``prefetch.global.L2``): results are the same bits either way.
-
 Rounding follows the unfused ops (``graphrt.models.layers``): the normalised row and the product are
 rounded to the model dtype where the torch ops round them. The float32 sums run in another order than
 cuBLAS's, so results differ from ``torch.nn.functional.linear`` by a last-place rounding, as two GEMM
@@ -41,7 +36,6 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels.dependent_launch import launch_options
-from graphrt.kernels.l2_prefetch import line_elements, prefetch_to_l2, prefetching
 from graphrt.kernels.rounding import round_to
 
 EPILOGUE_STORE, EPILOGUE_ADD_TO_OUT, EPILOGUE_SILU_MUL = 0, 1, 2
@@ -93,27 +87,6 @@ def _slice_sums(products, BLOCK_K: tl.constexpr, THREAD_SUM: tl.constexpr):
         return tl.sum(tl.reshape(products, [products.shape[0], BLOCK_K // THREAD_SUM, THREAD_SUM]), axis=2)
 
 
-#: Whether the kernels prefetch their weight slices into L2 by default (``l2_prefetch``): off until a
-#: measurement of the captured step says otherwise (profiles/step_ab.py).
-L2_PREFETCH = False
-#: How many slices after the first each program asks for: the resident programs of a large matrix asking
-#: for all of theirs would request more than L2 holds (the 8B's FP8 gate/up: ~86 MB), evicting lines
-#: before their programs read them.
-L2_PREFETCH_SLICES = 1
-
-
-@triton.jit
-def prefetch_row_slices(row_ptrs, n_mask, K, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE_ELEMS: tl.constexpr, PREFETCH_SLICES: tl.constexpr):
-    """Prefetches K slices 2 .. 1 + ``PREFETCH_SLICES`` of the weight rows starting at ``row_ptrs``
-    ([BLOCK_N, 1] pointers to each row's first element; rows outside ``n_mask`` skipped) into L2:
-    ``PREFETCH_LINES`` lines of ``LINE_ELEMS`` elements a row and slice (a slice of ``BLOCK_K``
-    elements)."""
-    lines = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
-    for k in range(BLOCK_K, tl.minimum(K, BLOCK_K * (1 + PREFETCH_SLICES)), BLOCK_K):
-        prefetch_to_l2(row_ptrs + k + lines, n_mask[:, None] & (k + lines < K))
-
-
 @triton.jit
 def row_products(
     x_row,  # the row's first element (with NORM: the residual stream, normalised here)
@@ -136,9 +109,6 @@ def row_products(
     NORM_BLOCK: tl.constexpr,  # with NORM: the row's elements one load takes (norm_block: a power of two)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     dtype: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr = 0,  # l2_prefetch: lines a row and K slice (0: none; prefetch_lines)
-    LINE_ELEMS: tl.constexpr = 1,  # weight elements a line holds
-    PREFETCH_SLICES: tl.constexpr = 1,  # slices after the first prefetched (L2_PREFETCH_SLICES)
 ):
     """``W[rows] @ x`` and, with PAIRED, ``W[paired_rows] @ x`` for one row x of K: float32 [BLOCK_N]
     each (without PAIRED the second is the first), and with ADDEND the values at ``addend_ptrs`` as
@@ -178,15 +148,6 @@ def row_products(
         # A norm weight is read by every program of the kernel at once, first from HBM: loaded before
         # the wait, its latency overlaps the previous kernel instead of following the sum of squares.
         norm_w = tl.load(norm_w_ptr + k_offsets, mask=k_offsets < K, other=0.0).to(tl.float32)
-    if PREFETCH_LINES > 0:  # static bytes: asked for before the wait
-        # By the first row's programs only (the grid's first axis is the row): the other rows' programs
-        # read the same weights, which those requests bring.
-        if tl.program_id(0) == 0:
-            prefetch_row_slices(w_ptr + rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K, PREFETCH_LINES,
-                                LINE_ELEMS, PREFETCH_SLICES)
-            if PAIRED:
-                prefetch_row_slices(w_ptr + paired_rows.to(tl.int64)[:, None] * stride_w, n_mask, K, BLOCK_K,
-                                    PREFETCH_LINES, LINE_ELEMS, PREFETCH_SLICES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     addend = tl.zeros_like(rows).to(tl.float32)
@@ -268,9 +229,6 @@ def _gemv_kernel(
     THREAD_SUM: tl.constexpr,  # TileConfig.thread_sum
     NORM_BLOCK: tl.constexpr,  # row elements the norm's sum of squares loads at once (norm_block)
     PDL: tl.constexpr,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
-    PREFETCH_LINES: tl.constexpr = 0,  # prefetch_lines
-    LINE_ELEMS: tl.constexpr = 1,
-    PREFETCH_SLICES: tl.constexpr = 1,
 ):
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + tl.program_id(0).to(tl.int64) * stride_x
@@ -283,8 +241,7 @@ def _gemv_kernel(
     # row_products reads out's values (the residual stream) along with the row.
     result, up, addend = row_products(x_row, w_ptr, stride_w, cols_n, cols_n + N, n_mask, norm_w_ptr, out_ptrs,
                                       scale_ptr, K, eps, NORM, EPILOGUE == 2, EPILOGUE == 1, W_SCALED, BLOCK_K,
-                                      THREAD_SUM, NORM_BLOCK, PDL, dtype, PREFETCH_LINES, LINE_ELEMS,
-                                      PREFETCH_SLICES)
+                                      THREAD_SUM, NORM_BLOCK, PDL, dtype)
     if HAS_BIAS:
         result += bias
     store_linear_output(result, up, addend, out_ptrs, n_mask, EPILOGUE, dtype)
@@ -368,16 +325,6 @@ def default_config(in_features: int, weight_rows: int | None = None, silu_mul: b
     table = {2: MEASURED_TILES, 1: MEASURED_FP8_TILES}.get(element_size, {})
     measured = table.get((weight_rows, in_features, silu_mul))
     return measured if measured is not None else general_config(in_features, silu_mul, element_size)
-
-
-def prefetch_lines(weight: torch.Tensor, config: TileConfig, l2_prefetch: bool | None) -> dict:
-    """The kernels' ``PREFETCH_LINES``, ``LINE_ELEMS`` and ``PREFETCH_SLICES`` for ``weight`` under
-    ``config``: with ``l2_prefetch`` (None: ``L2_PREFETCH``) on CUDA and more than one K slice, the lines
-    a row's slice spans (at least one), else 0 (no prefetch: the interpreter has no PTX)."""
-    line_elems = line_elements(weight.element_size())
-    on = prefetching(l2_prefetch, L2_PREFETCH, weight.device) and weight.shape[1] > config.block_k
-    return {"PREFETCH_LINES": max(1, config.block_k // line_elems) if on else 0, "LINE_ELEMS": line_elems,
-            "PREFETCH_SLICES": max(1, L2_PREFETCH_SLICES)}
 
 
 def grid_tiles(out_features: int, block_n: int) -> int:
@@ -469,7 +416,6 @@ def linear_gemv(
     config: TileConfig | None = None,
     dependent_launch: bool = False,
     weight_scale: torch.Tensor | None = None,
-    l2_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """``linear(x, weight, bias)`` for a row or a few, optionally with RMSNorm before and SiLU * up or
     a residual add after, in one kernel.
@@ -488,8 +434,6 @@ def linear_gemv(
     allocated when ``out`` is given, and the launch depends on shapes only: safe inside a CUDA graph.
     ``dependent_launch``: launch as a programmatic dependent of the previous kernel, whose tail then
     overlaps this kernel's start and first weight loads (``graphrt.kernels.dependent_launch``).
-    ``l2_prefetch``: the first row's programs ask L2 for their next ``L2_PREFETCH_SLICES`` weight slices
-    before they wait (None: ``L2_PREFETCH``; CUDA only, the same results).
     """
     rows, in_features, out_features, out = linear_operands(x, weight, bias, norm_weight, epilogue, out, weight_scale)
     if rows == 0:
@@ -503,7 +447,7 @@ def linear_gemv(
         NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
         W_SCALED=weight_scale is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, THREAD_SUM=config.thread_sum,
-        NORM_BLOCK=norm_block(in_features), **prefetch_lines(weight, config, l2_prefetch),
+        NORM_BLOCK=norm_block(in_features),
         num_warps=config.num_warps, **launch_options(dependent_launch),
     )
     return out
