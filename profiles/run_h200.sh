@@ -66,6 +66,18 @@ stages=${*:-bench-1b bench-smollm2 bench-8b}
 log() { echo "== $(date +%T) $*"; }
 status=0
 
+# step_ab.py in FP8 against one switch at points "model batch": fp8_step_ab NAME SWITCH POINT... (JSON per point)
+fp8_step_ab() {
+  local name=$1 switch=$2 point
+  shift 2
+  for point in "$@"; do
+    set -- $point
+    log "step_ab.py $1 FP8 batch $2: $switch against the default"
+    python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" --set "$switch" \
+      --json "$OUT/${name}_$1_b$2_$TAG.json" || status=1
+  done
+}
+
 for stage in $stages; do
   case $stage in
     bench-1b)
@@ -120,23 +132,13 @@ for stage in $stages; do
     rows-dependent-ab)
       # FP8 at batch 8 and 64: the rows kernel launched as a programmatic dependent against not, in the
       # captured step (the 8B, then the 1B at batch 8).
-      for spec in "llama-3-8b 8" "llama-3-8b 64" "llama-3.2-1b 8"; do
-        set -- $spec
-        log "step_ab.py $1 FP8 batch $2: the rows kernel as a dependent"
-        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" \
-          --set graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True \
-          --json "$OUT/rows_dependent_ab_$1_b$2_$TAG.json" || status=1
-      done
+      fp8_step_ab rows_dependent_ab graphrt.kernels.fp8_matmul.ROWS_DEPENDENT_LAUNCH=True \
+        "llama-3-8b 8" "llama-3-8b 64" "llama-3.2-1b 8"
       ;;
     rows-tma-ab)
       # FP8 at 8 and 16 tokens: the rows kernel through TMA (the default on sm_90+) against the threads'
       # loads (ROWS_TMA off), in the captured step.
-      for spec in "llama-3-8b 8" "llama-3.2-1b 8" "llama-3-8b 16"; do
-        set -- $spec
-        log "step_ab.py $1 FP8 batch $2: the rows kernel through TMA (A) against the threads' loads"
-        python profiles/step_ab.py --model "random:$1" --quantization fp8 --batch-size "$2" \
-          --set graphrt.kernels.fp8_matmul.ROWS_TMA=False --json "$OUT/rows_tma_ab_$1_b$2_$TAG.json" || status=1
-      done
+      fp8_step_ab rows_tma_ab graphrt.kernels.fp8_matmul.ROWS_TMA=False "llama-3-8b 8" "llama-3.2-1b 8" "llama-3-8b 16"
       ;;
     bench-fp8)
       # The same shapes in bf16 and FP8 weights, one call, side by side; then the FP8 cache beside the bf16
