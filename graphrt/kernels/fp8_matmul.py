@@ -24,7 +24,7 @@ memory) rather than with every thread's loads (``ROWS_TMA``).
 Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
 ``w8a16_is_faster``).
 
-``ROWS_DEPENDENT_LAUNCH`` (off: it measured -0.4 to +0.9 % in the captured step, profiles/notes_fp8.md)
+``ROWS_DEPENDENT_LAUNCH`` (off: it did not make the captured step faster, profiles/notes_fp8.md)
 launches the rows kernel as a programmatic dependent of the kernel before it
 (``graphrt.kernels.dependent_launch``: its programs start during that kernel's tail and wait before they
 read its output).
@@ -159,9 +159,9 @@ def supports_shape(out_features: int, in_features: int) -> bool:
 ROWS_DEPENDENT_LAUNCH = False
 #: Whether ``rows_tile`` has tiles of up to 16 tokens read their weight slices through the tensor memory
 #: accelerator (TMA: one bulk copy a slice into shared memory, sm_90 and later) where the device has one,
-#: rather than with every thread's loads. Measured in the captured step on an H100 (profiles/notes_fp8.md):
-#: the Llama-3-8B in FP8 2.4 % faster at batch 8 and 1.9 % at 16, the 1B 0.7 % at 8, the same tokens; at
-#: 64 tokens TMA made the step 0.4 % slower, so larger tiles keep the threads' loads.
+#: rather than with every thread's loads: the copies keep the slices in flight without the threads'
+#: registers, which made the captured decode step faster at 8 and 16 tokens; 64-token tiles keep the
+#: threads' loads, which were as fast there (profiles/notes_fp8.md has the measurements).
 ROWS_TMA = True
 
 #: Most rows ``scaled_mm`` runs on the Triton kernel (``_weight_rows_kernel``); more go to cuBLAS
