@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", dest="prompts", action="append", type=comma_separated_ints, metavar="1,2,3",
                      help="a prompt given as token ids (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     add_sampling_arguments(gen, "request")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--stop", action="append", default=[], type=stop_text, metavar="TEXT",
@@ -81,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an interactive multi-turn chat through the model's chat template",
         description="Each line you type is a user turn; the answer streams as it is generated and joins the "
         "history, so later turns see the earlier ones. /reset clears the history, /exit (or end of input) "
-        "quits. With stdin not a terminal, each non-empty line is a turn. Without --model the default model.",
+        "quits; any other single word starting with / is refused as an unknown command. With stdin not a terminal, each non-empty line is a turn. Without --model the default model.",
     )
     add_model_arguments(chat, default_model=None)
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt opening the conversation")
-    chat.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens an answer (default 256)")
+    chat.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens in an answer (default 256)")
     add_sampling_arguments(chat, "answer")
     chat.add_argument("--max-model-len", type=positive_int, default=None,
                       help="longest conversation in tokens (default: the model's)")
@@ -338,7 +338,8 @@ def _turns(interactive: bool) -> Iterator[str]:
 def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=None, err=None,
              interactive: bool = False) -> tuple[list[dict], int]:
     """The chat loop of ``graphrt chat``: each turn a user message, its answer streamed to ``out`` and kept
-    in the history; ``/reset`` clears the history (the system prompt stays), ``/exit`` ends. A turn the
+    in the history; ``/reset`` clears the history (the system prompt stays), ``/exit`` ends, another single
+    word starting with "/" is reported on ``err`` as an unknown command. A turn the
     model cannot answer (the conversation outgrew ``max_model_len``) is reported on ``err``, with the hint
     to ``/reset``, and left out of the history. ``interactive``: Ctrl-C during an answer stops that answer
     (left out of the history) and the chat goes on. Returns the history and how many turns were refused."""
@@ -354,6 +355,10 @@ def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=N
             break
         if text == "/reset":
             history = list(opening)
+            continue
+        if text.startswith("/") and not any(space in text for space in " \t"):
+            # One word starting with "/" is a command, never a message to the model.
+            print(f"graphrt chat: unknown command {text} (/reset clears the history, /exit quits)", file=err)
             continue
         turn = sum(m["role"] == "user" for m in history) + 1
         if not interactive:  # a transcript: each answer after the turn it answers

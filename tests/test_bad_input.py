@@ -306,9 +306,11 @@ def test_malformed_weight_files_are_refused_by_name(tmp_path, files, message):
     (["bench", "--json", "/no/such/folder/r.json"], "the folder '/no/such/folder' does not exist"),
     (["profile", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
     (["profile", "--trace", "/no/such/folder/t.json"], "the folder '/no/such/folder' does not exist"),
+    (["generate", "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1, got '0'"),
+    (["chat", "--max-tokens", "-5"], "argument --max-tokens: expected an integer >= 1, got '-5'"),
 ], ids=["bench_steps", "bench_no_batches", "bench_zero_context", "bench_zero_query_tokens", "bench_json_folder",
         "profile_warmup",
-        "profile_trace_folder"])
+        "profile_trace_folder", "generate_max_tokens", "chat_max_tokens"])
 def test_cli_refuses_bad_numbers_and_output_folders_before_running(argv, message, capsys):
     """Checked when the arguments are parsed: a run must not fail at its end on a value it could have
     refused first (bench --steps 0 used to fail on an empty median after building the model)."""

@@ -131,6 +131,20 @@ def test_chat_keeps_the_history_streams_each_answer_and_resets():
         assert history == [] and refused == 1 and "turn 1:" in err.getvalue() and "/reset starts a new conversation" in err.getvalue()
 
 
+def test_chat_reports_an_unknown_command_without_asking_the_model():
+    """One word starting with "/" that is no command is reported, never sent as a message (the model
+    object here has no methods: asking it would raise)."""
+    from graphrt.cli import run_chat
+
+    out, err = io.StringIO(), io.StringIO()
+    history, refused = run_chat(object(), ["/foo", " /help ", "/exit", "never asked"], SamplingParams(max_tokens=2),
+                                out=out, err=err)
+    assert history == [] and refused == 0 and out.getvalue() == ""
+    assert err.getvalue().splitlines() == [
+        "graphrt chat: unknown command /foo (/reset clears the history, /exit quits)",
+        "graphrt chat: unknown command /help (/reset clears the history, /exit quits)"]
+
+
 def test_text_and_token_id_prompts_answer_in_the_order_given():
     """--prompt and --prompt-ids mixed: the answers (JSON lines here) follow the command line's order."""
     done = _graphrt("generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "2", "--json",
