@@ -280,8 +280,9 @@ def _run_chat(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from graphrt.llm import LLM
     from graphrt.serve.limits import ServerLimits
-    from graphrt.serve.server import Server
+    from graphrt.serve.server import Server, check_can_listen
 
+    check_can_listen(args.host, args.port)  # before the model loads: a port in use fails at once
     concurrent = args.max_concurrent_requests or args.max_num_seqs
     limits = ServerLimits(
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,

@@ -348,6 +348,28 @@ def test_cli_reports_errors_without_traceback(capsys):
     assert "Traceback" not in err
 
 
+def test_serve_refuses_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
+    """A port another socket holds fails at once, naming it (the model is never loaded: LLM would raise);
+    a host that does not resolve too."""
+    import socket
+
+    import graphrt.llm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(graphrt.llm, "LLM", no_load)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--model", "random:tiny", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"graphrt: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err
+    assert main(["serve", "--model", "random:tiny", "--device", "cpu", "--host", "no-such-host.invalid"]) == 2
+    assert capsys.readouterr().err.startswith("graphrt: error: cannot listen on no-such-host.invalid:8000: ")
+
+
 def test_cli_bad_request_exits_nonzero_but_prints_the_good_ones(capsys):
     code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "3",
                  "--prompt-ids", "1,2,3", "--prompt-ids", "1,600", "--json"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -100,6 +101,23 @@ class Server:
         if self._thread is not None:
             self._thread.join(30)
         self.loop.stop()
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """ConfigError unless a socket can bind ``host:port`` now, as the server's will (address reuse on,
+    as uvicorn sets it): checked before a model loads, so that a port in use fails at once rather than
+    after the load. The server binds again when it starts; another process may take the port between."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _is_loopback(host: str) -> bool:
