@@ -8,6 +8,7 @@ exits non-zero for a supervisor to restart it); ``stop`` ends both threads. ``ru
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -104,20 +105,24 @@ class Server:
 
 
 def check_can_listen(host: str, port: int) -> None:
-    """ConfigError unless a socket can bind ``host:port`` now, as the server's will (address reuse on,
-    as uvicorn sets it): checked before a model loads, so that a port in use fails at once rather than
-    after the load. The server binds again when it starts; another process may take the port between."""
+    """ConfigError unless sockets can bind every address ``host:port`` resolves to now, as the server's
+    will (asyncio's ``create_server`` binds each, with address reuse on and IPv6 sockets IPv6-only):
+    checked before a model loads, so that a port in use fails at once rather than after the load. The
+    server binds again when it starts; another process may take the port between."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    family, kind, proto, _, address = addresses[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    with contextlib.ExitStack() as probes:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            probe = probes.enter_context(socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _is_loopback(host: str) -> bool:
