@@ -357,7 +357,7 @@ def run_chat(llm, turns: Iterable[str], params, system: str | None = None, out=N
         if text == "/reset":
             history = list(opening)
             continue
-        if text.startswith("/") and not any(space in text for space in " \t"):
+        if text.startswith("/") and len(text.split()) == 1:
             # One word starting with "/" is a command, never a message to the model.
             print(f"graphrt chat: unknown command {text} (/reset clears the history, /exit quits)", file=err)
             continue

@@ -77,10 +77,11 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
             tiles += [fp8_matmul.RowsTile(min(64, max(16, rows)), bn, bk, 4, stages, split)
                       for bn, bk, stages in ((64, 256, 4), (64, 128, 6), (32, 256, 4)) for split in (1, 2, 4)]
         if "tma" in sweep and 1 < rows <= fp8_matmul.TRITON_MAX_ROWS:
-            # The weight slices through TMA: the default tile with it, then deeper pipelines and other splits.
+            # The default tile through TMA and with the threads' loads (whichever the default is), then deeper
+            # pipelines and other splits through TMA.
             default = fp8_matmul.rows_tile(rows, out_features, in_features, fp8_matmul.multiprocessors(x.device),
                                            fp8_matmul.tma_available(x.device))
-            tiles += [dataclasses.replace(default, tma=True)]
+            tiles += [dataclasses.replace(default, tma=True), dataclasses.replace(default, tma=False)]
             tiles += [fp8_matmul.RowsTile(default.block_m, 64, bk, 4, stages, split, tma=True)
                       for bk, stages in ((256, 6), (128, 8)) for split in (1, 2, 4)]
         for kernel, function in (("scaled_mm", fp8_matmul.scaled_mm), ("w8a16", fp8_matmul.w8a16_matmul)):

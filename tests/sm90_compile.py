@@ -23,8 +23,9 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     """Compile each case for sm_90 in one fresh process.
 
     A case: ``module`` (import path), ``kernel`` (its ``@triton.jit`` name), ``signature`` (argument ->
-    Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``), ``constexprs`` (name -> value), ``num_warps``,
-    ``num_stages`` (a host tensor descriptor's type: ``"tensordesc<fp8e4nv[64, 256]>"``), optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
+    Triton type, e.g. ``"*bf16"``, ``"i32"``, ``"fp32"``, or a host tensor descriptor's
+    ``"tensordesc<fp8e4nv[64, 256]>"``), ``constexprs`` (name -> value), ``num_warps``,
+    ``num_stages``, optionally ``launch_pdl`` and ``aligned_ints`` (integer arguments to specialise as
     multiples of 16, as a launch does for such values; pointers always are). Returns, per case,
     ``{"shared": bytes, "dependency_waits": n, "dependency_launches": n, "loads_before_wait": n or None,
     "l2_prefetches_before_wait": n or None, "tma_loads": n}`` (grid dependency control instructions in its

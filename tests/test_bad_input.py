@@ -370,6 +370,14 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(monkeypatch, capsy
     assert capsys.readouterr().err.startswith("graphrt: error: cannot listen on no-such-host.invalid:8000: ")
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0", ""])
+def test_serve_port_check_takes_the_hosts_the_server_takes(host):
+    """Every interface (an empty host), a name resolving to IPv4 and IPv6, any port (0): not refused."""
+    from graphrt.serve.server import check_can_listen
+
+    check_can_listen(host, 0)
+
+
 def test_cli_bad_request_exits_nonzero_but_prints_the_good_ones(capsys):
     code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "3",
                  "--prompt-ids", "1,2,3", "--prompt-ids", "1,600", "--json"])

@@ -83,8 +83,8 @@ def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
     (20, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # tiles dividing both widths: unmasked weight loads
     (20, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K: 8 slices in splits of 3, 3, 2
     (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)),  # 3 slices: 3 splits of one, unmasked
-    # Weights through TMA: partial column tiles zero-filled, split; then rows TMA cannot address (230
-    # bytes apart), which take the plain loads.
+    # Weights through TMA: partial column tiles, split K; then rows TMA cannot address (230 bytes apart),
+    # which take the plain loads (test_rows_kernel_reads_through_tma_only_where_it_can).
     (20, 50, 96, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),
     (20, 50, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3, tma=True)),
     (5, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),
@@ -169,7 +169,8 @@ def check_scaled_mm(rows, out_features, in_features, bias, tile=None):
 @pytest.mark.parametrize("rows,out_features,in_features,tile", [
     (1, 48, 80, None), (5, 32, 304, None), (20, 48, 64, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),
     (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4)),  # split K, partial last slice
-    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4, tma=True))])  # the same through TMA
+    # The same through TMA: the last K slice's codes past the row zero-filled (NaN codes there would show).
+    (20, 48, 208, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=4, tma=True))])
 def test_scaled_mm_rows_kernel_against_float64(rows, out_features, in_features, tile, bias):
     """Up to TRITON_MAX_ROWS rows scaled_mm is the quantisation launch and the Triton kernel (on the CPU
     in the interpreter, float32 products): odd row counts, partial K slices, several tiles."""
@@ -297,6 +298,19 @@ def test_w8a16_clamps_activations_to_the_float16_range():
 # -- the rows kernel as a programmatic dependent, and reading through TMA ---------------------------------
 
 
+def test_rows_kernel_reads_through_tma_only_where_it_can():
+    """A tile asking for TMA gets it for a weight TMA can address (rows 16-byte multiples apart, starting
+    16-byte aligned; the interpreter runs the descriptor loads), not otherwise; a tile not asking never."""
+    tile = fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)
+    aligned, _ = quantize_per_channel(torch.randn(50, 96))
+    odd_rows, _ = quantize_per_channel(torch.randn(50, 230))
+    shifted = torch.empty(50 * 96 + 1, dtype=aligned.dtype)[1:].view(50, 96)  # contiguous, 1 byte off
+    assert fp8_matmul.reads_through_tma(aligned, tile)
+    assert not fp8_matmul.reads_through_tma(odd_rows, tile)
+    assert not fp8_matmul.reads_through_tma(shifted, tile)
+    assert not fp8_matmul.reads_through_tma(aligned, dataclasses.replace(tile, tma=False))
+
+
 def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait():
     """sm_90: launched as a dependent, the rows kernel reads nothing before its wait (x comes from the
     kernel before, and the split scratch must not be touched while that kernel may still use it)."""
@@ -326,8 +340,8 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
 
 
 def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
-    """sm_90: with TMA the weight slices arrive as bulk tensor copies (and the only global loads are the
-    activations', scales' and bias's); launched as a dependent, still nothing is read before the wait."""
+    """sm_90: with TMA the weight slices arrive as bulk tensor copies, within the H200's shared memory;
+    launched as a dependent, still nothing is read before the wait."""
     from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
 
     cases = []
@@ -406,6 +420,7 @@ def test_rows_kernel_through_tma_changes_no_bit_gpu(rows, out_features, in_featu
     producer = torch.randn(in_features, 512, device=DEVICE, dtype=torch.bfloat16) * 512**-0.5
     x = gemv.linear_gemv(source, producer)
     default = fp8_matmul.rows_tile(rows, out_features, in_features, fp8_matmul.multiprocessors(x.device))
+    assert fp8_matmul.reads_through_tma(codes, dataclasses.replace(default, tma=True))  # TMA really taken
     for function in (fp8_matmul.w8a16_matmul, fp8_matmul.scaled_mm):
         for tile in (default, fp8_matmul.RowsTile(default.block_m, 64, 128, 4, 8, 2)):
             plain = function(x, codes, scale, tile=dataclasses.replace(tile, tma=False))

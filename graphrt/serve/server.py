@@ -9,6 +9,7 @@ exits non-zero for a supervisor to restart it); ``stop`` ends both threads. ``ru
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import socket
@@ -105,24 +106,37 @@ class Server:
 
 
 def check_can_listen(host: str, port: int) -> None:
-    """ConfigError unless sockets can bind every address ``host:port`` resolves to now, as the server's
-    will (asyncio's ``create_server`` binds each, with address reuse on and IPv6 sockets IPv6-only):
-    checked before a model loads, so that a port in use fails at once rather than after the load. The
-    server binds again when it starts; another process may take the port between."""
+    """ConfigError unless ``host:port`` can be bound now as the server will bind it: asyncio's
+    ``create_server`` binds every address the host resolves to (an empty host: every interface), with
+    address reuse on and IPv6 sockets IPv6-only, skipping a family this machine cannot open and an
+    address it does not have, and fails when another bind fails (a port in use, a port below 1024
+    without the right) or none succeeds. Checked before a model loads, so that such a port fails at once
+    rather than after the load; the server binds again when it starts (another process may take the
+    port between)."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    bound = 0
     with contextlib.ExitStack() as probes:
         for family, kind, proto, _, address in dict.fromkeys(addresses):
-            probe = probes.enter_context(socket.socket(family, kind, proto))
+            try:
+                probe = probes.enter_context(socket.socket(family, kind, proto))
+            except OSError:  # a family this machine cannot open (IPv6 turned off): the server skips it too
+                continue
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+                if exc.errno == errno.EADDRNOTAVAIL:  # an address this machine does not have: skipped
+                    continue
+                raise ConfigError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+            bound += 1
+    if not bound:
+        raise ConfigError(f"cannot listen on {where}: none of its addresses can be bound here")
 
 
 def _is_loopback(host: str) -> bool:
