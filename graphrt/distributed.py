@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -103,9 +104,12 @@ class RankGroup:
             self.out_of_step = True
             raise GraphrtError(f"{failed}; close this engine")
 
-    def failed_rank(self) -> str | None:
+    def failed_rank(self, wait: float = 0.0) -> str | None:
         """Rank 0: a sentence naming the started ranks that exited, with what they reported; None while
-        all run."""
+        all run. ``wait``: seconds to wait for an exit to register when none has (a collective broken by a
+        killed rank can fail before that rank's exit is visible here)."""
+        if wait > 0 and self.processes and all(process.is_alive() for process in self.processes):
+            multiprocessing.connection.wait([process.sentinel for process in self.processes], timeout=wait)
         dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
                 if not process.is_alive()]
         if not dead:

@@ -21,6 +21,11 @@ from graphrt.sequence import Sequence
 from graphrt.swap_space import SwapSpace
 
 
+#: How long a broken collective waits for a rank's exit to register before it is reported as itself: a
+#: killed rank's sockets close (and its peers' reads fail) a moment before its exit is visible.
+_RANK_EXIT_WAIT_SECONDS = 2.0
+
+
 def _light(seq: Sequence) -> Sequence:
     """What another rank's runner reads of a sequence it has not seen: the sequence without its text and
     the logprobs of its outputs so far."""
@@ -96,7 +101,7 @@ class RelayingRunner:
             self._relay(method, args, kwargs)
             result = run()
         except RuntimeError as error:  # gloo / NCCL: a peer went away
-            failed = ranks.failed_rank()
+            failed = ranks.failed_rank(wait=_RANK_EXIT_WAIT_SECONDS)
             if failed is None:
                 raise
             raise GraphrtError(f"{failed}; close this engine") from error

@@ -177,6 +177,36 @@ def test_a_rank_that_exits_is_reported():
     assert not process.is_alive()
 
 
+def _exit_soon(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_failed_collective_waits_for_the_rank_whose_exit_broke_it():
+    """A killed rank's peers see its sockets close a moment before its exit registers: a broken collective
+    names the rank once its exit shows within the wait, and says nothing of a rank that stays alive."""
+    import multiprocessing
+
+    from graphrt.distributed import RankGroup
+
+    context = multiprocessing.get_context("spawn")
+    leaving = context.Process(target=_exit_soon, args=(0.5,))
+    leaving.start()
+    try:
+        group = RankGroup(rank=0, size=2, tensor_parallel=None, channel=None, processes=[leaving])
+        assert group.failed_rank() is None  # not yet exited
+        assert group.failed_rank(wait=30) == "tensor-parallel rank(s) 1 exited (exit code 0)"
+    finally:
+        leaving.join(30)
+    staying = context.Process(target=_exit_soon, args=(30,))
+    staying.start()
+    try:
+        assert RankGroup(rank=0, size=2, tensor_parallel=None, channel=None,
+                         processes=[staying]).failed_rank(wait=0.3) is None
+    finally:
+        staying.kill()
+        staying.join(30)
+
+
 def test_an_interrupted_step_leaves_the_engine_refusing_and_closing_at_once():
     """Ctrl-C on rank 0 between relaying a step and running it (the other ranks then wait inside a
     forward rank 0 abandoned): later steps are refused by name and close stops the ranks instead of
