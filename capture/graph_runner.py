@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from graphrt.attention import AttentionBackend, AttentionMetadata
 from graphrt.attention.metadata import pinned_to_device
 from graphrt.base import nvtx
 from graphrt.base.checks import is_count
+from graphrt.base.progress import progress_bar
 from graphrt.capture.buckets import choose_bucket, default_capture_sizes, validate_capture_sizes
 from graphrt.capture.decode_batch import DecodeBatch
 from graphrt.capture.decode_inputs import DecodeInputs
@@ -272,8 +272,7 @@ class DecodeGraphRunner:
                     torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 pool = torch.cuda.graph_pool_handle()
-                for key in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=None if progress else True,
-                                leave=False):
+                for key in progress_bar(keys, progress, desc="capturing decode graphs", unit="graph"):
                     graph = torch.cuda.CUDAGraph()
                     with nvtx.capture(key.padded_batch, key.prompt_tokens), torch.cuda.graph(graph, pool=pool):
                         self._forward(key)

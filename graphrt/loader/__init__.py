@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Union
 
 import torch
-from tqdm.auto import tqdm
 
 from graphrt.base.checks import is_count
 from graphrt.base.errors import ConfigError, ModelLoadError
+from graphrt.base.progress import progress_bar
 from graphrt.loader.gguf_file import GGUFCheckpoint, default_model_path, read_gguf
 from graphrt.loader.hf_dir import HFCheckpoint, read_hf_dir
 from graphrt.loader.random_presets import PREFIX as RANDOM_PREFIX
@@ -53,10 +53,8 @@ def load_weights_into(model: torch.nn.Module, checkpoint: Checkpoint, progress: 
     if isinstance(checkpoint, RandomCheckpoint):
         checkpoint.initialize(model)
         return
-    tensors = tqdm(
-        checkpoint.tensors(), total=checkpoint.num_tensors(), desc="loading weights", unit="tensor",
-        disable=None if progress else True, leave=False,  # None: off where stderr is not a terminal
-    )
+    tensors = progress_bar(checkpoint.tensors(), progress, total=checkpoint.num_tensors(), desc="loading weights",
+                           unit="tensor")
     try:
         model.load_weights(tensors)
     except ModelLoadError as exc:
