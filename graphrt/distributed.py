@@ -109,7 +109,10 @@ class RankGroup:
         all run. ``wait``: seconds to wait for an exit to register when none has (a collective broken by a
         killed rank can fail before that rank's exit is visible here)."""
         if wait > 0 and self.processes and all(process.is_alive() for process in self.processes):
-            multiprocessing.connection.wait([process.sentinel for process in self.processes], timeout=wait)
+            ended = multiprocessing.connection.wait([process.sentinel for process in self.processes], timeout=wait)
+            for process in self.processes:
+                if process.sentinel in ended:  # its exit status follows its sentinel's closing
+                    process.join(wait)
         dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
                 if not process.is_alive()]
         if not dead:
