@@ -61,7 +61,7 @@ def main() -> None:
     sides = {"A": []} | {describe(variant): [] for variant in args.variants}
     label = f"{args.model} {args.quantization or 'bf16'} batch {args.batch_size} context {args.context}"
     print(f"# {label}: replay ms of the whole decode step; A: "
-          f"{', '.join(f'{m.__name__}.{n}={v!r}' for (m, n), v in original.items())}", flush=True)
+          f"{describe([(module, name, value) for (module, name), value in original.items()])}", flush=True)
 
     def restore():
         for (module, name), value in original.items():

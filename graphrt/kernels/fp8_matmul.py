@@ -252,20 +252,18 @@ def _weight_rows_kernel(
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
+        k_ok = (k + ks) < K  # read only where BLOCK_K does not divide K
         if TMA:
             # One bulk copy a slice into shared memory, rows and columns past the matrix filled with zeros:
             # no register holds an address or a code on the way to the tensor cores.
             w = w_desc.load([tl.program_id(0) * BLOCK_N, k])
-            if EVEN:
-                x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs + k, mask=row_ok[:, None] & ((k + ks) < K)[None, :], other=0.0)
         elif EVEN:
             w = tl.load(w_ptrs + k)
+        else:
+            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
-            k_ok = (k + ks) < K
-            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")

@@ -1,8 +1,9 @@
 """Asking L2 for bytes a kernel will read, before it reads them: ``prefetch.global.L2``, a hint that
 loads nothing into registers and changes no result. A kernel launched as a programmatic dependent
-(``graphrt.kernels.dependent_launch``) may issue it for static bytes (weights, earlier steps' cache rows)
-before its wait, so that they stream while the kernel before it finishes. CUDA only: the interpreter has
-no PTX, so callers pass the prefetch's constexprs as off there."""
+(``graphrt.kernels.dependent_launch``) may issue it before its wait, so that bytes stream while the kernel
+before it finishes: the paged decode asks for its first K/V tile (``L2_PREFETCH_FIRST_TILE``; its module
+says why the lines it asks for are safe to read). CUDA only: the interpreter has no PTX, so callers pass
+the prefetch's constexprs as off there."""
 
 from __future__ import annotations
 
