@@ -5,7 +5,9 @@ GEMM (cuBLAS), FP8 tensor cores with per-token activation scales (``fp8_matmul.s
 quantisation launch included), the W8A16 kernel (``fp8_matmul.w8a16_matmul``) at its default tile, with ``--sweep rows`` both
 Triton paths over tiles (``fp8_matmul.RowsTile``, at 8 and 64 rows); at one row the FP8 GEMV kernel
 (``gemv.linear_gemv``), with ``--sweep gemv`` over tiles (``thread_sum`` the per-thread width); ``--sweep tma``
-the rows kernel reading its weight slices through TMA (``RowsTile.tma``) beside its plain loads. Each
+the rows kernel reading its weight slices through TMA (``RowsTile.tma``) beside its plain loads; ``--sweep
+w16`` (``w16-only``: without the FP8 kernels) the rows kernel on the bf16 weights (``fp8_matmul.rows_matmul``)
+beside cuBLAS at 2-64 rows. Each
 time is a CUDA graph's replay over enough weight copies to exceed L2 (so every call reads HBM),
 divided by the copies: per call, as inside a decode step. Prints ms and TB/s of weight bytes; writes
 JSON (profiles/notes_fp8.md reads it).
@@ -84,6 +86,10 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
             tiles += [dataclasses.replace(default, tma=True), dataclasses.replace(default, tma=False)]
             tiles += [fp8_matmul.RowsTile(default.block_m, 64, bk, 4, stages, split, tma=True)
                       for bk, stages in ((256, 6), (128, 8)) for split in (1, 2, 4)]
+        if sweep & {"w16", "w16-only"} and 1 < rows <= fp8_matmul.TRITON_MAX_ROWS:
+            bench_16bit_rows(name, x, bf16_copies, rows, record)
+        if "w16-only" in sweep:
+            continue
         for kernel, function in (("scaled_mm", fp8_matmul.scaled_mm), ("w8a16", fp8_matmul.w8a16_matmul)):
             for tile in tiles:
                 chosen = tile or fp8_matmul.rows_tile(rows, out_features, in_features,
@@ -98,6 +104,8 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
                 triton_kernel = kernel == "w8a16" or rows <= fp8_matmul.TRITON_MAX_ROWS
                 record(f"{kernel} {'default' if tile is None else 'sweep'}", rows, ms, codes.numel(),
                        **({"tile": chosen.__dict__} if triton_kernel else {}))
+    if "w16-only" in sweep:
+        return rows_out
     # One row: the FP8 GEMV kernel over tiles (its SiLU * up epilogue for gate/up, as the decode layer runs it).
     x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16)
     epilogue = gemv.EPILOGUE_SILU_MUL if silu else gemv.EPILOGUE_STORE
@@ -117,6 +125,30 @@ def bench_matrix(name: str, out_features: int, in_features: int, silu: bool, swe
     return rows_out
 
 
+def bench_16bit_rows(name: str, x: torch.Tensor, copies: list[torch.Tensor], rows: int, record) -> None:
+    """The rows kernel on bf16 weights (``fp8_matmul.rows_matmul``): its default tile, the default with TMA
+    the other way, then 64 and 32 weight rows a program on 128-element slices (the FP8 kernel's bytes a
+    slice) four deep and 64-element slices six deep, split 1, 2 and 4 ways, through TMA where 16 tokens
+    or fewer."""
+    out_features, in_features = copies[0].shape
+    default = fp8_matmul.rows_tile(rows, out_features, in_features, fp8_matmul.multiprocessors(x.device),
+                                   fp8_matmul.tma_available(x.device), element_size=2)
+    block_m = default.block_m
+    tiles = [None, dataclasses.replace(default, tma=not default.tma)]
+    tiles += [fp8_matmul.RowsTile(block_m, bn, bk, 4, stages, split, tma=block_m == 16)
+              for bn, bk, stages in ((64, 128, 4), (64, 64, 6), (32, 128, 4)) for split in (1, 2, 4)]
+    for tile in tiles:
+        chosen = tile or default
+        try:
+            ms = time_per_call(lambda: [lambda w=w: fp8_matmul.rows_matmul(x, w, tile=tile) for w in copies],
+                               len(copies))
+        except Exception as error:  # noqa: BLE001 - a tile the compiler refuses (shared memory)
+            print(f"{name} w16 rows {chosen}: {type(error).__name__}")
+            continue
+        record(f"w16 rows {'default' if tile is None else 'sweep'}", rows, ms, 2 * copies[0].numel(),
+               tile=chosen.__dict__)
+
+
 def best_by(rows: list[dict]) -> dict:
     """Per (matrix, rows): the fastest kernel and, per kernel family, its fastest tile."""
     summary = {}
@@ -132,9 +164,10 @@ def best_by(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every measurement and the per-point best here")
-    parser.add_argument("--sweep", nargs="*", default=[], choices=["rows", "gemv", "tma"],
+    parser.add_argument("--sweep", nargs="*", default=[], choices=["rows", "gemv", "tma", "w16", "w16-only"],
                         help="also sweep these kernels' tiles (the Triton rows kernel at 8 and 64 rows, the GEMV at "
-                             "one; tma: the rows kernel reading its weights through TMA, at 2-64 rows)")
+                             "one; tma: the rows kernel reading its weights through TMA, at 2-64 rows; w16: the rows "
+                             "kernel on the bf16 weights, beside cuBLAS; w16-only: that and cuBLAS, no FP8 kernel)")
     parser.add_argument("--matrices", nargs="*", default=list(MATRICES), choices=list(MATRICES))
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS), help="row counts (default %(default)s)")
     args = parser.parse_args()

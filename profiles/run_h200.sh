@@ -16,6 +16,8 @@
 #   decode-prefetch-ab                 step_ab.py: at batch 1 the paged decode prefetching its first K/V tile into L2
 #   rows-dependent-ab                  step_ab.py: FP8 at batch 8 / 64, the rows kernel as a dependent launch
 #   rows-tma-ab                        step_ab.py: FP8 at batch 8 / 16, the rows kernel through TMA against the threads' loads
+#   rows-16bit                         the rows kernel on bf16 weights (2-16 tokens): each matrix against cuBLAS, then
+#                                      step_ab.py at batch 8 and graphrt bench's verify steps with it off (notes_fusion.md)
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   fp8-rows-tma                       bench_fp8_linear.py --sweep tma: the rows kernel's weight slices through TMA
@@ -139,6 +141,19 @@ for stage in $stages; do
       # FP8 at 8 and 16 tokens: the rows kernel through TMA (the default on sm_90+) against the threads'
       # loads (ROWS_TMA off), in the captured step.
       fp8_step_ab rows_tma_ab graphrt.kernels.fp8_matmul.ROWS_TMA=False "llama-3-8b 8" "llama-3.2-1b 8" "llama-3-8b 16"
+      ;;
+    rows-16bit)
+      log "bench_fp8_linear.py --sweep w16-only: the rows kernel on bf16 weights against cuBLAS, 5, 8, 16 rows"
+      python profiles/bench_fp8_linear.py --sweep w16-only --rows 5 8 16 --json "$OUT/rows_kernel_16bit_$TAG.json" \
+        > "$OUT/rows_kernel_16bit_$TAG.txt" || status=1
+      for model in llama-3.2-1b llama-3-8b; do
+        log "step_ab.py $model bf16 batch 8: the rows kernel (default) against cuBLAS"
+        python profiles/step_ab.py --model "random:$model" --batch-size 8 --set graphrt.models.layers.ROWS_KERNEL=False \
+          --json "$OUT/rows_kernel_16bit_ab_${model}_b8_$TAG.json" || status=1
+      done
+      log "graphrt bench llama-3.2-1b, verify steps of 5 rows beside plain steps (the rows kernel on)"
+      graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8 --contexts 512 --query-tokens 1,5 --steps 50 \
+        --json "$OUT/rows_kernel_16bit_verify_$TAG.json" || status=1
       ;;
     bench-fp8)
       # The same shapes in bf16 and FP8 weights, one call, side by side; then the FP8 cache beside the bf16

@@ -21,7 +21,7 @@ for stage in $stages; do
       files="tests/test_fused_kernels.py tests/test_gemv.py tests/test_gemv_rows.py tests/test_qkv_rope_cache.py
              tests/test_triton_cache_write.py
              tests/test_triton_paged_decode.py tests/test_triton_prefix_prefill.py tests/test_xformers_prefill.py
-             tests/test_top_k_top_p.py tests/test_dependent_launch.py" ;;
+             tests/test_top_k_top_p.py tests/test_dependent_launch.py tests/test_few_rows_linear.py" ;;
     engine)  # engines and graph runners against HF and eager: graphs, logprobs, the oracle, memory release,
              # speculative verify steps, chunked prefill and prefix caching, prompt graphs, mixed steps
       files="tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_gpu_logprobs.py tests/test_gpu_graph_check.py

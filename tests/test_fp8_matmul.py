@@ -95,6 +95,64 @@ def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bia
     check_w8a16(rows, out_features, in_features, dtype, bias, tile)
 
 
+def check_rows_matmul(rows, out_features, in_features, dtype, bias, tile=None):
+    """16-bit weights on the rows kernel against the float64 product (poisoned output: every element written)."""
+    x = _rows(rows, in_features, dtype, seed=3 * rows + in_features)
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    weight = (torch.randn(out_features, in_features, generator=generator)
+              * torch.logspace(-2, 0, out_features)[:, None]).to(dtype).to(DEVICE)
+    bias_vector = torch.randn(out_features, generator=generator).to(dtype).to(DEVICE) if bias else None
+    got = fp8_matmul.rows_matmul(x, weight, bias_vector, tile=tile)
+    assert got.dtype == dtype and got.shape == (rows, out_features) and not got.isnan().any()
+    expected = x.double() @ weight.double().T + (0 if bias_vector is None else bias_vector.double())
+    terms = x.double().abs() @ weight.double().abs().T
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-11 if dtype == torch.float16 else 2**-20
+    subnormal = unit * torch.finfo(dtype).smallest_normal
+    assert ((got.double() - expected).abs() <= unit * expected.abs() + 2**-20 * terms + subnormal).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,out_features,in_features,tile", [
+    (2, 48, 80, None), (5, 40, 300, None), (17, 32, 64, None),
+    (20, 50, 70, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # several row and column tiles, partial K slices
+    (20, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # unmasked weight loads
+    (20, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K: 8 slices in splits of 3, 3, 2
+    (20, 50, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3, tma=True)),  # through TMA, split
+    (5, 50, 115, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),  # rows 230 bytes apart: plain loads
+])
+def test_rows_matmul_of_16bit_weights_against_float64(rows, out_features, in_features, tile, bias, dtype):
+    """Products of 16-bit values are exact in float32: float32 sums in any order, one rounding."""
+    check_rows_matmul(rows, out_features, in_features, dtype, bias, tile)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (2, 3072, 2048), (5, 2048, 2048), (8, 16384, 2048), (16, 2048, 8192), (5, 4096, 14336), (7, 6144, 4096),
+    (64, 2048, 2048), (9, 200, 576),
+])
+def test_rows_matmul_of_16bit_weights_against_float64_gpu(rows, out_features, in_features, dtype):
+    """The models' shapes at their default tiles (split K, TMA up to 16 tokens on sm_90+), and an odd one."""
+    check_rows_matmul(rows, out_features, in_features, dtype, bias=False)
+
+
+def test_rows_matmul_refuses_mismatched_operands():
+    weight = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE), weight)  # float32 rows, bfloat16 weight
+    with pytest.raises(ValueError, match="does not match"):
+        fp8_matmul.rows_matmul(torch.randn(3, 48, device=DEVICE, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="16-bit or float32"):
+        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE), weight.to(fp8_matmul.FP8_DTYPE))
+    with pytest.raises(ValueError, match="16-bit or float32"):
+        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16), weight.t())
+    with pytest.raises(ValueError, match="bias"):
+        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16), weight,
+                               torch.randn(31, device=DEVICE, dtype=torch.bfloat16))
+
+
 def test_rows_tiles_pad_rows_to_16_and_take_at_most_64():
     assert fp8_matmul.rows_tile(1, 28672, 4096, 132) == fp8_matmul.RowsTile(16, 64, 256, 4, 4)
     assert fp8_matmul.rows_tile(33, 4096, 14336, 132).block_m == 64
@@ -327,7 +385,7 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
             name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False),
+                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False, W_CODES=True),
             num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
@@ -345,18 +403,21 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
     from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
 
     cases = []
-    for x_codes, split_k, pdl, block_k, stages in ((True, 1, False, 256, 4), (False, 4, True, 256, 4),
-                                                  (True, 2, True, 128, 8)):
-        signature = {"x_ptr": "*fp8e4nv" if x_codes else "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-                     "w_desc": f"tensordesc<fp8e4nv[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+    for x_codes, split_k, pdl, block_k, stages, w_type in (
+            (True, 1, False, 256, 4, "fp8e4nv"), (False, 4, True, 256, 4, "fp8e4nv"), (True, 2, True, 128, 8, "fp8e4nv"),
+            (False, 4, True, 128, 4, "bf16")):  # 16-bit weights (rows_matmul): the same bytes a slice
+        signature = {"x_ptr": "*fp8e4nv" if x_codes else "*bf16", "x_scale_ptr": "*fp32", "w_ptr": f"*{w_type}",
+                     "w_desc": f"tensordesc<{w_type}[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                      "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
                      **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out",
                                                  "slices_per_split")}}
         cases.append(dict(
-            name=f"rows-tma-{'fp8' if x_codes else 'w8a16'}-split{split_k}-k{block_k}x{stages}{'-pdl' if pdl else ''}",
+            name=f"rows-tma-{'fp8' if x_codes else 'w8a16' if w_type == 'fp8e4nv' else 'w16'}-split{split_k}"
+                 f"-k{block_k}x{stages}{'-pdl' if pdl else ''}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, TMA=True),
+                            BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, TMA=True,
+                            W_CODES=w_type == "fp8e4nv"),
             num_warps=4, num_stages=stages, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):

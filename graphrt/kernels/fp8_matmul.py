@@ -1,4 +1,5 @@
-"""Products of FP8 weights (E4M3 codes, a float32 scale per row) with several tokens' activations.
+"""Products of FP8 weights (E4M3 codes, a float32 scale per row) with several tokens' activations, and
+the same rows kernel on 16-bit weights (``rows_matmul``).
 
 The GEMV kernels read a row's weights once per token (``graphrt.kernels.gemv``), so above one token an
 FP8 model's linear layers run on the tensor cores, one of two ways:
@@ -20,7 +21,9 @@ The Triton kernel puts the weight rows on the tensor cores' 64-row side and the 
 side, so 2-64 tokens fill an MMA without padding to 64; where a matrix has too few output tiles to fill
 the GPU it splits K over several programs, the last to finish adding their partial sums (``rows_tile``).
 Up to 16 tokens, on sm_90 and later, it reads the weight slices through TMA (bulk copies into shared
-memory) rather than with every thread's loads (``ROWS_TMA``).
+memory) rather than with every thread's loads (``ROWS_TMA``). ``rows_matmul`` runs the same kernel on
+16-bit weights (no codes, no scales: slices of the same bytes, half the elements), where cuBLAS would pad
+a few tokens to its own tiles (``graphrt.models.layers.FewRowsLinear``).
 Which path a forward takes is the kernel policy's (``graphrt.models.kernel_policy``, with
 ``w8a16_is_faster``).
 
@@ -233,6 +236,7 @@ def _weight_rows_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     TMA: tl.constexpr = False,  # the weight slices come through the tensor memory accelerator (w_desc)
+    W_CODES: tl.constexpr = True,  # w holds E4M3 codes scaled per row; else 16-bit weights in x's dtype
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -267,6 +271,8 @@ def _weight_rows_kernel(
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        elif not W_CODES:
+            acc += tl.dot(w, tl.trans(x))  # 16-bit weights and activations, float32 sums
         elif X_CODES:
             # max_num_imprecise_acc: each slice's sum leaves the FP8 accumulator for float32 registers.
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
@@ -277,7 +283,7 @@ def _weight_rows_kernel(
             acc += tl.dot(w.to(tl.float16), tl.trans(x16))
     if SPLIT_K == 1:
         _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
-                         dtype, X_CODES, HAS_BIAS)
+                         dtype, X_CODES, HAS_BIAS, W_CODES)
     else:
         # Each split leaves its partial sums and counts itself in; the last to arrive adds all of them in
         # split order (the same sum whichever arrives last), writes the tile and resets the count for the
@@ -296,15 +302,17 @@ def _weight_rows_kernel(
             for split in tl.static_range(SPLIT_K):
                 total += tl.load(tile_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
             _store_rows_tile(total, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                             stride_out, dtype, X_CODES, HAS_BIAS)
+                             stride_out, dtype, X_CODES, HAS_BIAS, W_CODES)
 
 
 @triton.jit
 def _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
-                     dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Scales a tile's float32 sums ``acc`` [BLOCK_N weight rows, BLOCK_M tokens] per weight row (and per
-    token with X_CODES), adds the bias, rounds once to ``dtype`` and stores it transposed into ``out``."""
-    acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
+                     dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr):
+    """Scales a tile's float32 sums ``acc`` [BLOCK_N weight rows, BLOCK_M tokens] per weight row (with
+    W_CODES) and per token (with X_CODES), adds the bias, rounds once to ``dtype`` and stores it transposed
+    into ``out``."""
+    if W_CODES:
+        acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
     if X_CODES:
         acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -341,7 +349,8 @@ MIN_SLICES_PER_SPLIT = 2
 #: of a large GPU idle (profiles/notes_fp8.md).
 SPLIT_PROGRAMS_PER_SM = 2
 
-def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int, tma: bool = False) -> RowsTile:
+def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: int, tma: bool = False,
+              element_size: int = 1) -> RowsTile:
     """The tile for ``rows`` tokens: up to 64 of them a program (padded to 16, the tensor cores'
     smallest multiple), 64 weight rows, K slices of 256 codes prefetched four deep (128 six deep for
     unsplit 64-token tiles), 4 warps: over the Llama-3-8B and 1B matrices at 8 and 64 rows the fastest
@@ -349,16 +358,17 @@ def rows_tile(rows: int, out_features: int, in_features: int, multiprocessors: i
     Where those programs number fewer than ``SPLIT_PROGRAMS_PER_SM`` an SM (one with more than 16 tokens
     a tile), K is split to come closer (at most ``MAX_SPLIT_K`` ways, each split keeping
     ``MIN_SLICES_PER_SPLIT`` slices). ``tma``: the device reads through TMA (``tma_available``); tiles of 16
-    tokens then do where ``ROWS_TMA`` says so. Host values only: safe before capture."""
+    tokens then do where ``ROWS_TMA`` says so. ``element_size``: the weight's bytes an element (16-bit
+    weights: K slices of the same bytes, half the codes). Host values only: safe before capture."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_k = min(256, max(32, triton.next_power_of_2(in_features)))
+    block_k = min(256 // element_size, max(32, triton.next_power_of_2(in_features)))
     block_n = 64
     tiles = max(1, triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m))
     wanted = (SPLIT_PROGRAMS_PER_SM if block_m == 16 else 1) * multiprocessors // tiles
     split_k = max(1, min(MAX_SPLIT_K, wanted, triton.cdiv(in_features, block_k) // MIN_SLICES_PER_SPLIT))
-    if block_m == 64 and split_k == 1 and block_k > 128:
+    if block_m == 64 and split_k == 1 and block_k * element_size > 128:
         # Unsplit 64-token tiles (the many-tile matrices: gate/up) ran faster on 128-code slices six deep.
-        return RowsTile(block_m, block_n, 128, num_warps=4, num_stages=6)
+        return RowsTile(block_m, block_n, 128 // element_size, num_warps=4, num_stages=6)
     return RowsTile(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split_k,
                     tma=tma and ROWS_TMA and block_m == 16)
 
@@ -421,11 +431,12 @@ def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[t
     return _split_scratch[key]
 
 
-def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None,
                  dependent_launch: bool = False) -> torch.Tensor:
-    """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None);
-    ``dependent_launch``: as ``scaled_mm``'s."""
+    """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None) and
+    FP8 weight codes with ``weight_scale``, or (None) 16-bit weights in x's dtype; ``dependent_launch``: as
+    ``scaled_mm``'s."""
     if x.stride(-1) != 1:
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
@@ -434,9 +445,14 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         return out
     if width == 0:  # an empty sum: the bias alone
         return out.copy_(bias.to(out_dtype).expand_as(out)) if bias is not None else out.zero_()
-    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device), tma_available(x.device))
+    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device), tma_available(x.device),
+                             weight.element_size())
     even = weight.shape[0] % tile.block_n == 0 and width % tile.block_k == 0
-    dot_f32 = out_dtype == torch.float32
+    # Triton's CPU interpreter multiplies bfloat16 operands as raw bits: float32 there (each product of
+    # 16-bit values is exact in float32, as on the tensor cores).
+    dot_f32 = out_dtype == torch.float32 or (weight_scale is None and x.dtype == torch.bfloat16
+                                             and triton_interpreter_on())
+    scales = weight if weight_scale is None else weight_scale  # a placeholder pointer for 16-bit weights
     col_tiles, row_tiles = triton.cdiv(weight.shape[0], tile.block_n), triton.cdiv(rows, tile.block_m)
     slices = triton.cdiv(width, tile.block_k)
     slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
@@ -447,13 +463,13 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         partials, arrivals = _split_workspace(x.device, split_k * col_tiles * row_tiles * tile.block_n * tile.block_m,
                                               col_tiles * row_tiles)
     _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
-        x, weight_scale if x_scale is None else x_scale, weight,
-        TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, weight_scale,
+        x, scales if x_scale is None else x_scale, weight,
+        TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, scales,
         weight if bias is None else bias, out,
         partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
         slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
         SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        TMA=tma, num_warps=tile.num_warps,
+        TMA=tma, W_CODES=weight_scale is not None, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
 
@@ -482,6 +498,28 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     _check_weight(x, weight, weight_scale)
     _check_bias(weight, bias)
     return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch)
+
+
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tile: RowsTile | None = None, *, dependent_launch: bool = False) -> torch.Tensor:
+    """``x @ weight^T + bias`` for a few rows of 16-bit weights on the rows kernel (weight rows on the
+    tensor cores' 64-row side, K split where the matrix has few output tiles, slices through TMA up to
+    16 tokens on sm_90+), where cuBLAS pads the tokens to its own tiles.
+
+    x: [M, K] (columns contiguous) bfloat16, float16 or float32; weight: [N, K] contiguous, x's dtype;
+    bias: None or [N] in x's dtype. Returns [M, N] in x's dtype, rounded once from the float32 sum of
+    products exact in float32 (float32 weights multiply in IEEE float32). Built for 2-64 rows. No host
+    sync: safe inside a CUDA graph. ``dependent_launch``: as ``scaled_mm``'s.
+    """
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dim() != 2 \
+            or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [N, K] 16-bit or float32 tensor, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the weight's {weight.shape[1]} input "
+                         f"features in {weight.dtype}")
+    _check_bias(weight, bias)
+    return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch)
 
 
 def _check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

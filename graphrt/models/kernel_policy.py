@@ -52,6 +52,12 @@ class GemvThresholds:
     #: few-row kernels (``graphrt.kernels.gemv_rows``: each weight read once for every row, on tensor
     #: cores; 16-bit weights). 0: never, the bound until they are timed against cuBLAS on the GPU.
     rows_max_tokens: int = 0
+    #: Forwards of 2 to this many tokens through 16-bit decoder layers of at least
+    #: ``rows_kernel_min_layer_bytes`` run their linear products on the rows kernel
+    #: (``graphrt.kernels.fp8_matmul.rows_matmul``) instead of cuBLAS, which pads so few tokens to its own
+    #: tiles; the norms, rotary and SiLU * up stay the kernels they are beside cuBLAS.
+    rows_kernel_max_tokens: int = 0
+    rows_kernel_min_layer_bytes: int = 0
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -65,8 +71,13 @@ GEMV_THRESHOLDS = GemvThresholds(
     small_layer_max_tokens=4,
     max_layer_bytes=256 << 20,
     max_dependent_layer_bytes=512 << 20,
+    # The rows kernel matched or beat cuBLAS on each Llama-3.2-1B and Llama-3-8B matrix at 5-16 rows but
+    # the 1B's QKV, and made their decode steps at 8 rows faster; smaller layers are unmeasured.
+    rows_kernel_max_tokens=16,
+    rows_kernel_min_layer_bytes=64 << 20,
     measured_on="NVIDIA H200 (sm_90), bfloat16, one token through one decoder layer, and decode steps of 1-16 "
-                "rows (profiles/notes_fusion.md, profiles/notes_speculative.md)",
+                "rows (profiles/notes_fusion.md, profiles/notes_speculative.md); the rows-kernel bound on an "
+                "NVIDIA H100 (profiles/notes_fusion.md)",
 )
 
 
@@ -95,7 +106,9 @@ class KernelPolicy:
     the reference to compare against. dependent_launch: the fused decode kernels launch as programmatic
     dependents (needs ``fused``, sm_90+). gemv_max_tokens: forwards of at most this many tokens run
     each layer on GEMV kernels (0 = never), and forwards of more, up to gemv_rows_max_tokens (at most
-    ``gemv_rows.MAX_ROWS``), on the few-row GEMV kernels (16-bit weights). quantization: None, or
+    ``gemv_rows.MAX_ROWS``), on the few-row GEMV kernels (16-bit weights). rows_kernel_max_tokens: the
+    other forwards of 2 to this many tokens run 16-bit linear layers on the rows kernel rather than cuBLAS
+    (``graphrt.models.layers.FewRowsLinear``; 0 = never). quantization: None, or
     "fp8": the layers' linear weights are FP8 E4M3 codes with float32 scales (``graphrt.models.fp8``), one a row, or with
     ``weight_scale_columns`` one a row and block of that many columns (block-scaled checkpoints). The
     GEMV kernels read FP8 codes with row scales (W8A16); on CUDA the other forwards with row scales run
@@ -113,6 +126,7 @@ class KernelPolicy:
     fp8_tensor_cores: bool = False
     w8a16_max_tokens: int = 0
     gemv_rows_max_tokens: int = 0
+    rows_kernel_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dependent_launch and not self.fused:
@@ -121,6 +135,8 @@ class KernelPolicy:
             raise ValueError("GEMV layers need fused_kernels=True")
         if self.gemv_rows_max_tokens and (not self.gemv_max_tokens or self.quantization is not None):
             raise ValueError("the few-row GEMV layers need the GEMV layers and 16-bit weights")
+        if self.rows_kernel_max_tokens and (not self.fused or self.quantization is not None):
+            raise ValueError("the rows kernel for 16-bit layers needs fused_kernels=True and 16-bit weights")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantization is None and (self.weight_scale_columns is not None or self.fp8_tensor_cores):
@@ -158,7 +174,10 @@ class KernelPolicy:
         small = quantization is None and layer_weight_bytes(config, weight_dtype) <= thresholds.small_layer_bytes
         gemv_tokens = max(thresholds.max_tokens, thresholds.small_layer_max_tokens if small else 0)
         rows_tokens = thresholds.rows_max_tokens if gemv and quantization is None else 0
+        rows_kernel = fused and quantization is None and (layer_weight_bytes(config, weight_dtype)
+                                                          >= thresholds.rows_kernel_min_layer_bytes)
         return cls(fused=fused, dependent_launch=dependent_launch,
+                   rows_kernel_max_tokens=thresholds.rows_kernel_max_tokens if rows_kernel else 0,
                    gemv_max_tokens=gemv_tokens if gemv else 0, quantization=quantization,
                    gemv_rows_max_tokens=rows_tokens if rows_tokens > gemv_tokens else 0,
                    weight_scale_columns=scale_columns if quantization is not None else None,

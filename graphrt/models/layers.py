@@ -34,6 +34,42 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
+#: Whether ``FewRowsLinear`` layers run the rows kernel where their bound allows (an A/B switch for
+#: ``profiles/step_ab.py``, read at each forward: a graph captured after a change keeps what it saw).
+ROWS_KERNEL = True
+
+
+def rows_kernel_runs_on(device: torch.device) -> bool:
+    """Whether ``FewRowsLinear`` runs the rows kernel on ``device``: CUDA only (a test may widen it to the
+    CPU under Triton's interpreter)."""
+    return device.type == "cuda"
+
+
+class FewRowsLinear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) whose forwards of 2 to ``max_tokens`` tokens on CUDA
+    run the rows kernel (``graphrt.kernels.fp8_matmul.rows_matmul``: weight rows on the tensor cores'
+    wide side, K split where a matrix has few output tiles), where cuBLAS pads a few tokens to its own
+    tiles; other forwards, and CPU ones, run ``nn.Linear``'s. ``max_tokens`` comes from the kernel policy
+    (``KernelPolicy.rows_kernel_max_tokens``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, *,
+                 max_tokens: int) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        self.max_tokens = max_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out] in x's dtype."""
+        if (ROWS_KERNEL and rows_kernel_runs_on(x.device) and x.dim() == 2 and 1 < x.shape[0] <= self.max_tokens
+                and x.dtype == self.weight.dtype and x.stride(-1) == 1):
+            from graphrt.kernels.fp8_matmul import rows_matmul
+
+            return rows_matmul(x, self.weight, self.bias)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rows kernel for 2-{self.max_tokens} tokens on CUDA"
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, optionally adding the residual stream first (see ``rms_norm_torch``).
 

@@ -28,7 +28,7 @@ from graphrt.base.errors import ModelLoadError
 from .config import ModelConfig
 from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, scales_for_rows
 from .kernel_policy import KernelPolicy
-from .layers import RMSNorm, RotaryEmbedding, silu_and_mul_torch
+from .layers import FewRowsLinear, RMSNorm, RotaryEmbedding, silu_and_mul_torch
 from .tensor_parallel import ShardLayout, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,13 @@ def _calibrated_scale(maximum: float, layer: int, kind: str) -> float:
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device, policy: KernelPolicy) -> nn.Module:
-    """A decoder linear layer: ``nn.Linear`` in the model dtype, or with ``policy.quantization`` an
-    ``Fp8Linear`` in the policy's scale layout (filled by ``load_weights``)."""
+    """A decoder linear layer: ``nn.Linear`` in the model dtype (``FewRowsLinear`` where the policy runs a
+    few tokens on the rows kernel), or with ``policy.quantization`` an ``Fp8Linear`` in the policy's
+    scale layout (filled by ``load_weights``)."""
     if policy.quantization is None:
+        if policy.rows_kernel_max_tokens:
+            return FewRowsLinear(in_features, out_features, bias=bias, dtype=dtype, device=device,
+                                 max_tokens=policy.rows_kernel_max_tokens)
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     return Fp8Linear(in_features, out_features, bias, dtype, device, scale_columns=policy.weight_scale_columns,
                      tensor_cores=policy.fp8_tensor_cores, w8a16_max_tokens=policy.w8a16_max_tokens,
