@@ -33,13 +33,19 @@ def _decode(monkeypatch, rows_kernel: bool):
         dict(rows_kernel_max_tokens=0)
     monkeypatch.setattr(kernel_policy, "GEMV_THRESHOLDS", dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, **bound))
     monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)  # the interpreter on a CPU
+    # The tiny gate/up splits K on a large GPU, where the rule keeps the activation's launch: every product
+    # takes the epilogue here (the rule: test_the_silu_epilogue_is_for_unsplit_16bit_products).
+    monkeypatch.setattr(fp8_matmul, "silu_mul_splits_k", lambda rows, weight: False)
     calls = []
     rows_matmul = fp8_matmul.rows_matmul
-    monkeypatch.setattr(fp8_matmul, "rows_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or rows_matmul(x, *a, **k))
+    monkeypatch.setattr(fp8_matmul, "rows_matmul",
+                        lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_mul", False))) or rows_matmul(x, *a, **k))
     prompts = [[(13 * i + 7 * n) % 500 + 3 for i in range(n)] for n in (3, 9, 17, 4, 11, 6)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     with LLM("random:tiny", dtype="float32", device=DEVICE, fused_kernels=True, max_model_len=64, num_kv_blocks=64,
              enforce_eager=not CUDA, progress=False, loader_options={"init_std": 0.1}) as llm:
+        captured = list(calls)  # the decode graphs' capture on a GPU (their replays call no Python)
+        calls.clear()
         policy = llm.engine.model.kernel_policy
         assert policy.rows_kernel_max_tokens == (16 if rows_kernel else 0)
         linear = llm.engine.model.layers[0].mlp.down_proj
@@ -47,22 +53,43 @@ def _decode(monkeypatch, rows_kernel: bool):
         outputs = llm.generate(prompts, params)
         decode_calls = list(calls)
         alone = llm.generate([prompts[1]], params)  # a 9-token prompt's prefill, then one-row steps
-        return outputs + alone, decode_calls, calls[len(decode_calls):]
+        return outputs + alone, captured + decode_calls, calls[len(decode_calls):]
 
 
 @pytest.mark.gpu
 def test_a_model_on_the_rows_kernel_decodes_as_on_cublas(monkeypatch):
-    """Decode steps of six rows and a 9-token prompt's prefill on the rows kernel; the six prompts' prefill
-    together (50 tokens) and one-row steps not. Float32 products on both paths: the same tokens, logprobs
-    within float32 summation order."""
+    """Decode steps of six rows and a 9-token prompt's prefill on the rows kernel, SiLU * up in the gate/up
+    product's epilogue; the six prompts' prefill together (50 tokens) and one-row steps not. Float32
+    products on both paths: the same tokens, logprobs within float32 summation order."""
     reference, _, _ = _decode(monkeypatch, rows_kernel=False)
     outputs, decode_calls, alone_calls = _decode(monkeypatch, rows_kernel=True)
-    assert decode_calls and set(decode_calls) == {6}  # the prompts' prefill together: 50 tokens, cuBLAS
-    assert alone_calls and set(alone_calls) == {9}  # then one token a step: cuBLAS (or the GEMV layers)
+    # Each layer's four products, gate/up with SiLU * up in its epilogue (no activation kernel); the prompts'
+    # prefill together (50 tokens) and one-token steps on cuBLAS. On a GPU the decode steps replay graphs
+    # captured for padded batches of up to 16 rows (the calls made while capturing).
+    sizes = {rows for rows, _ in decode_calls}
+    assert (sizes == {6}) if not CUDA else (6 not in sizes and 8 in sizes and sizes <= set(range(2, 17)))
+    assert 3 * sum(silu for _, silu in decode_calls) == sum(not silu for _, silu in decode_calls) > 0
+    if not CUDA:  # on a GPU the prompt runs in a prompt graph captured at start (its calls among the above)
+        assert set(alone_calls) == {(9, False), (9, True)}
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_the_silu_epilogue_is_for_unsplit_16bit_products(monkeypatch):
+    """On an H100/H200's 132 multiprocessors the 1B's gate/up (8192 outputs) splits K at 8 rows and keeps
+    the activation kernel; the 8B's (14336) does not, and takes the epilogue."""
+    monkeypatch.setattr(fp8_matmul, "multiprocessors", lambda device: 132)
+    assert fp8_matmul.silu_mul_splits_k(8, torch.empty(16384, 2048, dtype=torch.bfloat16, device="meta"))
+    assert not fp8_matmul.silu_mul_splits_k(8, torch.empty(28672, 4096, dtype=torch.bfloat16, device="meta"))
+    monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)
+    for out_features, fuses in ((16384, False), (28672, True)):
+        linear = layers.FewRowsLinear(64, out_features, bias=False, device="meta", max_tokens=16)
+        linear.weight = torch.nn.Parameter(torch.empty(out_features, 2048 if fuses is False else 4096,
+                                                       dtype=torch.bfloat16, device="meta"))
+        x = torch.empty(8, linear.weight.shape[1], dtype=torch.bfloat16, device="meta")
+        assert linear.fuses_silu_mul(x) is fuses
 
 
 def test_few_rows_linear_falls_back_outside_its_bound(monkeypatch):
@@ -79,3 +106,39 @@ def test_few_rows_linear_falls_back_outside_its_bound(monkeypatch):
     x = torch.randn(3, 64, device=DEVICE)
     assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     assert "rows kernel for 2-4 tokens" in repr(linear)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("batch", [3, 12, 40])
+def test_fp8_gate_up_with_silu_epilogue_decodes_as_with_the_activation_kernel(monkeypatch, batch):
+    """FP8 weights, float32 activations (products in float32): SiLU * up written by the gate/up product's
+    epilogue where the down projection takes 16-bit input (W8A16, up to 16 rows), the activation kernel
+    where it takes FP8 codes (more rows: the prompts' prefill, 40 rows): the same tokens and logprobs as
+    with the epilogue switched off."""
+    from graphrt import LLM, SamplingParams
+    from graphrt.models import llama
+
+    prompts = [[(11 * i + 5 * n) % 400 + 3 for i in range(4 + n % 7)] for n in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    # The W8A16 kernel at up to 16 rows on every matrix (the tiny model's down does not split K, which
+    # sends it to FP8 tensor cores by default): the down projection then takes 16-bit input, as the 1B's and
+    # the 8B's do. The FP8 x FP8 kernel's epilogue: test_fp8_matmul.py.
+    monkeypatch.setattr(fp8_matmul, "w8a16_is_faster", lambda tile: True)
+    results, fused_calls = {}, []
+    for name in ("scaled_mm", "w8a16_matmul"):
+        function = getattr(fp8_matmul, name)
+        monkeypatch.setattr(fp8_matmul, name, lambda x, *a, _f=function, **k: fused_calls.append(
+            (x.shape[0], k.get("silu_mul", False))) or _f(x, *a, **k))
+    for epilogue in (False, True):
+        monkeypatch.setattr(llama, "ROWS_SILU_EPILOGUE", epilogue)
+        with LLM("random:tiny", dtype="float32", quantization="fp8", max_model_len=64, num_kv_blocks=256,
+                 max_num_seqs=batch, progress=False, loader_options={"init_std": 0.1}) as llm:
+            results[epilogue] = llm.generate(prompts, params)
+    # With the epilogue on, at 2-16 rows (the decode graphs captured up to the batch), where down takes 16 bits.
+    assert any(silu for _, silu in fused_calls)
+    assert all(1 < rows <= 16 for rows, silu in fused_calls if silu)
+    for got, want in zip(results[True], results[False]):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4

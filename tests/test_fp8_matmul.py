@@ -138,6 +138,70 @@ def test_rows_matmul_of_16bit_weights_against_float64_gpu(rows, out_features, in
     check_rows_matmul(rows, out_features, in_features, dtype, bias=False)
 
 
+def _silu_mul_operands(kind: str, rows: int, intermediate: int, in_features: int, dtype, seed: int):
+    """x, the product's arguments and the exact float64 (gate, up) products for a SiLU * up check."""
+    x = _rows(rows, in_features, dtype, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    weight = (torch.randn(2 * intermediate, in_features, generator=generator) * in_features**-0.5).to(DEVICE)
+    if kind == "w16":
+        weight = weight.to(dtype)
+        args, real_x, real_w = (x, weight), x.double(), weight.double()
+    else:
+        codes, scale = quantize_per_channel(weight)
+        real_w = codes.double() * scale.double()[:, None]
+        args, real_x = (x, codes, scale), x.double()
+        if kind == "fp8":
+            x_codes, x_scales = fp8_matmul.quantize_rows_torch(x)
+            real_x = x_codes.double() * x_scales.double()[:, None]
+    products, terms = real_x @ real_w.T, real_x.abs() @ real_w.abs().T
+    return args, products[:, :intermediate], products[:, intermediate:], terms[:, :intermediate], terms[:, intermediate:]
+
+
+_SILU_FUNCTIONS = {"w16": "rows_matmul", "w8a16": "w8a16_matmul", "fp8": "scaled_mm"}
+
+
+@pytest.mark.parametrize("kind", list(_SILU_FUNCTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,intermediate,in_features,tile", [
+    (5, 48, 96, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # partial column tile past the gate rows
+    (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # unmasked loads
+    (20, 40, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K (3, 3, 1 slices): gate and up partials
+    (5, 48, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=2, tma=True)),  # through TMA: the up box N rows on
+])
+def test_silu_mul_epilogue_equals_the_product_then_silu_and_mul(kind, rows, intermediate, in_features, tile, dtype):
+    """The same tile's sums either way: the fused epilogue writes silu_and_mul's bits of the unfused product
+    (poisoned outputs: every element written); and both lie within rounding of the float64 silu(gate) * up."""
+    from graphrt.kernels.activation import silu_and_mul
+
+    activation = interpreted(__import__("graphrt.kernels.activation", fromlist=["x"]), "_silu_and_mul_kernel")
+    args, gate, up, gate_terms, up_terms = _silu_mul_operands(kind, rows, intermediate, in_features, dtype,
+                                                              seed=rows + intermediate)
+    function = getattr(fp8_matmul, _SILU_FUNCTIONS[kind])
+    fused = function(*args, tile=tile, silu_mul=True)
+    unfused = function(*args, tile=tile)
+    assert fused.shape == (rows, intermediate) and fused.dtype == dtype
+    assert torch.equal(fused, activation.silu_and_mul(unfused)), (fused - silu_and_mul(unfused)).abs().max()
+    expected = torch.nn.functional.silu(gate) * up
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-20
+    # Rounded gate (silu's slope at most 1.1), rounded silu and up, rounded product; float32 sums in any
+    # order (2**-20 of the terms' absolute sum), moving gate and up before they are rounded.
+    gate_error = unit * gate.abs() + 2**-20 * gate_terms
+    silu = torch.nn.functional.silu(gate).abs()
+    bound = (1.1 * gate_error * (up.abs() + unit * up.abs() + 2**-20 * up_terms)
+             + silu * (2 * unit * up.abs() + 2**-20 * up_terms) + unit * silu * up.abs()) * 1.01 + 1e-30
+    assert ((fused.double() - expected).abs() <= bound).all()
+
+
+def test_silu_mul_refuses_an_odd_weight_and_too_many_rows():
+    weight = torch.randn(33, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gate and up rows alike"):
+        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16), weight, silu_mul=True)
+    codes, scale = quantize_per_channel(torch.randn(64, 64))
+    rows = fp8_matmul.TRITON_MAX_ROWS + 1
+    with pytest.raises(ValueError, match="silu_mul takes at most"):
+        fp8_matmul.scaled_mm(torch.randn(rows, 64, device=DEVICE), codes.to(DEVICE), scale.to(DEVICE), silu_mul=True)
+
+
 def test_rows_matmul_refuses_mismatched_operands():
     weight = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not match"):
@@ -385,7 +449,7 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
             name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False, W_CODES=True),
+                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False, W_CODES=True, SILU_MUL=False),
             num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
@@ -403,9 +467,11 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
     from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
 
     cases = []
-    for x_codes, split_k, pdl, block_k, stages, w_type in (
-            (True, 1, False, 256, 4, "fp8e4nv"), (False, 4, True, 256, 4, "fp8e4nv"), (True, 2, True, 128, 8, "fp8e4nv"),
-            (False, 4, True, 128, 4, "bf16")):  # 16-bit weights (rows_matmul): the same bytes a slice
+    for x_codes, split_k, pdl, block_k, stages, w_type, silu in (
+            (True, 1, False, 256, 4, "fp8e4nv", False), (False, 4, True, 256, 4, "fp8e4nv", False),
+            (True, 2, True, 128, 8, "fp8e4nv", False),
+            (False, 4, True, 128, 4, "bf16", False),  # 16-bit weights (rows_matmul): the same bytes a slice
+            (True, 1, False, 256, 4, "fp8e4nv", True), (False, 2, False, 128, 4, "bf16", True)):  # SiLU * up
         signature = {"x_ptr": "*fp8e4nv" if x_codes else "*bf16", "x_scale_ptr": "*fp32", "w_ptr": f"*{w_type}",
                      "w_desc": f"tensordesc<{w_type}[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                      "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
@@ -413,11 +479,11 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
                                                  "slices_per_split")}}
         cases.append(dict(
             name=f"rows-tma-{'fp8' if x_codes else 'w8a16' if w_type == 'fp8e4nv' else 'w16'}-split{split_k}"
-                 f"-k{block_k}x{stages}{'-pdl' if pdl else ''}",
+                 f"-k{block_k}x{stages}{'-pdl' if pdl else ''}{'-silu' if silu else ''}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
                             BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, TMA=True,
-                            W_CODES=w_type == "fp8e4nv"),
+                            W_CODES=w_type == "fp8e4nv", SILU_MUL=silu),
             num_warps=4, num_stages=stages, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):

@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
+from graphrt.kernels.gemv import store_linear_output
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -176,7 +177,7 @@ TRITON_MAX_ROWS = 64
 
 def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None = None, tile: RowsTile | None = None, *,
-              dependent_launch: bool = False) -> torch.Tensor:
+              dependent_launch: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` on FP8 tensor cores, x quantised per row.
 
     x: [M, K] 16-bit or float32 on CUDA, or ``QuantizedRows`` its producer already quantised (then no
@@ -187,6 +188,9 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     ``torch._scaled_mm`` with row-wise scales, written in bfloat16 (the one output type row-wise
     scaling takes) and converted when x is not bfloat16. No host sync: safe inside a CUDA graph.
     ``dependent_launch``: the Triton kernel launched as a programmatic dependent (the module docstring).
+    ``silu_mul`` (up to ``TRITON_MAX_ROWS`` rows): weight is [2 * I, K], gate rows then up rows, and the
+    result [M, I] is ``silu(gate) * up`` (rounded as ``silu_and_mul`` of the product rounds it), written
+    by the product's own epilogue.
     """
     quantized = isinstance(x, QuantizedRows)
     if quantized and (x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],)
@@ -197,9 +201,11 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     if not supports_shape(*weight.shape):
         raise ValueError(f"FP8 tensor-core products need widths that are multiples of 16, got {tuple(weight.shape)}")
     _check_bias(weight, bias)
+    if silu_mul and x.shape[0] > TRITON_MAX_ROWS:
+        raise ValueError(f"silu_mul takes at most {TRITON_MAX_ROWS} rows (the Triton kernel's), got {x.shape[0]}")
     codes, scales = (x.codes, x.scales) if quantized else quantize_rows(x)
     if codes.shape[0] <= TRITON_MAX_ROWS:
-        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile, dependent_launch)
+        return _rows_matmul(codes, scales, weight, weight_scale, bias, x.dtype, tile, dependent_launch, silu_mul)
     out = torch._scaled_mm(codes, weight.t(), scale_a=scales[:, None], scale_b=weight_scale[None, :],
                            out_dtype=torch.bfloat16)
     if bias is not None:
@@ -211,12 +217,12 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
 def _weight_rows_kernel(
     x_ptr,  # [M, K] activations: FP8 codes (X_CODES), else 16-bit or float32
     x_scale_ptr,  # [M] float32 scales of the codes (read only with X_CODES)
-    w_ptr,  # [N, K] float8_e4m3fn codes
-    w_desc,  # with TMA: a tensor descriptor of w_ptr's codes in [BLOCK_N, BLOCK_K] boxes (else unused)
-    w_scale_ptr,  # [N] float32
-    bias_ptr,  # [N] (unused without HAS_BIAS)
+    w_ptr,  # [N, K] weights (E4M3 codes with W_CODES); [2 * N, K] with SILU_MUL: gate rows, then up rows
+    w_desc,  # with TMA: a tensor descriptor of w_ptr's rows in [BLOCK_N, BLOCK_K] boxes (else unused)
+    w_scale_ptr,  # [N] float32 ([2 * N] with SILU_MUL; read only with W_CODES)
+    bias_ptr,  # [N] ([2 * N] with SILU_MUL; unused without HAS_BIAS)
     out_ptr,  # [M, N]
-    partials_ptr,  # [SPLIT_K, tiles, BLOCK_N, BLOCK_M] float32 (unused when SPLIT_K == 1)
+    partials_ptr,  # [SPLIT_K, tiles, BLOCK_N, BLOCK_M] float32, twice with SILU_MUL (unused when SPLIT_K == 1)
     arrivals_ptr,  # [tiles] int32, zero on entry (unused when SPLIT_K == 1)
     M,
     N,
@@ -237,6 +243,7 @@ def _weight_rows_kernel(
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (graphrt.kernels.dependent_launch)
     TMA: tl.constexpr = False,  # the weight slices come through the tensor memory accelerator (w_desc)
     W_CODES: tl.constexpr = True,  # w holds E4M3 codes scaled per row; else 16-bit weights in x's dtype
+    SILU_MUL: tl.constexpr = False,  # out = silu(x @ gate^T) * (x @ up^T), gate and up rows N apart
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -246,6 +253,7 @@ def _weight_rows_kernel(
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w  # read only with SILU_MUL
     row_ok, col_ok = rows < M, cols < N
     k_begin = tl.program_id(2) * slices_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
@@ -255,35 +263,36 @@ def _weight_rows_kernel(
         # has finished: a launch that started early never meets the one before it on the scratch.
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # with SILU_MUL only
     for k in range(k_begin, k_end, BLOCK_K):
         k_ok = (k + ks) < K  # read only where BLOCK_K does not divide K
+        w_mask = col_ok[:, None] & k_ok[None, :]
         if TMA:
             # One bulk copy a slice into shared memory, rows and columns past the matrix filled with zeros:
             # no register holds an address or a code on the way to the tensor cores.
             w = w_desc.load([tl.program_id(0) * BLOCK_N, k])
+            if SILU_MUL:
+                # The box starts N rows further; rows past the gate's N are the up rows of other tiles,
+                # multiplied but never stored (col_ok).
+                up = w_desc.load([tl.program_id(0) * BLOCK_N + N, k])
         elif EVEN:
             w = tl.load(w_ptrs + k)
+            if SILU_MUL:
+                up = tl.load(up_ptrs + k)
         else:
-            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
+            if SILU_MUL:
+                up = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
         if EVEN:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        elif not W_CODES:
-            acc += tl.dot(w, tl.trans(x))  # 16-bit weights and activations, float32 sums
-        elif X_CODES:
-            # max_num_imprecise_acc: each slice's sum leaves the FP8 accumulator for float32 registers.
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            # W8A16 multiplies in float16: each pair of E4M3 codes widens to float16 in one instruction
-            # (to bfloat16 in three); the activations are clamped to float16's largest value.
-            x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            acc += tl.dot(w.to(tl.float16), tl.trans(x16))
+        acc = _slice_products(acc, w, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
+        if SILU_MUL:
+            up_acc = _slice_products(up_acc, up, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
     if SPLIT_K == 1:
-        _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
-                         dtype, X_CODES, HAS_BIAS, W_CODES)
+        _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                         stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
     else:
         # Each split leaves its partial sums and counts itself in; the last to arrive adds all of them in
         # split order (the same sum whichever arrives last), writes the tile and resets the count for the
@@ -293,32 +302,75 @@ def _weight_rows_kernel(
         tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tile_stride = tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M
         tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
+        up_base = tile_base + SPLIT_K * tile_stride.to(tl.int64)  # the up sums after every split's gate sums
         tl.store(tile_base + tl.program_id(2).to(tl.int64) * tile_stride, acc)
+        if SILU_MUL:
+            tl.store(up_base + tl.program_id(2).to(tl.int64) * tile_stride, up_acc)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            up_total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
                 total += tl.load(tile_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
-            _store_rows_tile(total, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                             stride_out, dtype, X_CODES, HAS_BIAS, W_CODES)
+                if SILU_MUL:
+                    up_total += tl.load(up_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
+            _store_rows_tile(total, up_total, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr,
+                             out_ptr, stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
 
 
 @triton.jit
-def _store_rows_tile(acc, cols, rows, col_ok, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
-                     dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr):
-    """Scales a tile's float32 sums ``acc`` [BLOCK_N weight rows, BLOCK_M tokens] per weight row (with
-    W_CODES) and per token (with X_CODES), adds the bias, rounds once to ``dtype`` and stores it transposed
-    into ``out``."""
+def _slice_products(acc, w, x, X_CODES: tl.constexpr, DOT_F32: tl.constexpr, W_CODES: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] float32 + w [BLOCK_N, BLOCK_K] @ x [BLOCK_M, BLOCK_K]^T, as the operands'
+    types multiply (``_weight_rows_kernel``'s flags)."""
+    if DOT_F32:
+        acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    elif not W_CODES:
+        acc += tl.dot(w, tl.trans(x))  # 16-bit weights and activations, float32 sums
+    elif X_CODES:
+        # max_num_imprecise_acc: each slice's sum leaves the FP8 accumulator for float32 registers.
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        # W8A16 multiplies in float16: each pair of E4M3 codes widens to float16 in one instruction
+        # (to bfloat16 in three); the activations are clamped to float16's largest value.
+        x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        acc += tl.dot(w.to(tl.float16), tl.trans(x16))
+    return acc
+
+
+@triton.jit
+def _scaled_sums(acc, weight_rows, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr):
+    """A tile's float32 sums [BLOCK_N weight rows, BLOCK_M tokens] times their weight rows' scales (with
+    W_CODES) and their tokens' (with X_CODES), plus the rows' bias."""
     if W_CODES:
-        acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
+        acc = acc * tl.load(w_scale_ptr + weight_rows, mask=col_ok, other=0.0)[:, None]
     if X_CODES:
         acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        acc += tl.load(bias_ptr + weight_rows, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                     stride_out, dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     W_CODES: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Scales and biases a tile's float32 sums (``_scaled_sums``), rounds them once to ``dtype`` and stores
+    them transposed into ``out``; with SILU_MUL ``acc`` holds the gate rows' sums and ``up_acc`` the up
+    rows' (N further), and ``silu(gate) * up`` is stored, rounded as the unfused ops round it."""
+    result = _scaled_sums(acc, cols, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES, HAS_BIAS,
+                          W_CODES)
+    up = result
+    if SILU_MUL:
+        up = _scaled_sums(up_acc, cols + N, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES,
+                          HAS_BIAS, W_CODES)
     out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + cols[:, None]
-    tl.store(out_ptrs, round_to(acc, dtype), mask=row_ok[None, :] & col_ok[:, None])
+    mask = row_ok[None, :] & col_ok[:, None]
+    # gemv.EPILOGUE_SILU_MUL (2) or gemv.EPILOGUE_STORE (0): Triton reads no plain global in a kernel.
+    store_linear_output(result, up, result, out_ptrs, mask, 2 if SILU_MUL else 0, dtype)
 
 
 @dataclass(frozen=True)
@@ -433,45 +485,65 @@ def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[t
 
 def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None,
-                 dependent_launch: bool = False) -> torch.Tensor:
+                 dependent_launch: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None) and
     FP8 weight codes with ``weight_scale``, or (None) 16-bit weights in x's dtype; ``dependent_launch``: as
-    ``scaled_mm``'s."""
+    ``scaled_mm``'s. ``silu_mul``: the weight is gate rows then up rows, and the result [M, N / 2] is
+    ``silu(gate) * up``."""
     if x.stride(-1) != 1:
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
-    out = torch.empty((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
-    if rows == 0 or weight.shape[0] == 0:
+    if silu_mul and weight.shape[0] % 2:
+        raise ValueError(f"a SiLU * up product needs gate and up rows alike, got {weight.shape[0]} rows")
+    out_features = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
+    if rows == 0 or out_features == 0:
         return out
-    if width == 0:  # an empty sum: the bias alone
-        return out.copy_(bias.to(out_dtype).expand_as(out)) if bias is not None else out.zero_()
-    tile = tile or rows_tile(rows, *weight.shape, multiprocessors(x.device), tma_available(x.device),
+    if width == 0:  # an empty sum: the bias alone (then SiLU * up of it)
+        sums = bias.to(out_dtype).expand(rows, weight.shape[0]) if bias is not None else \
+            torch.zeros((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
+        return out.copy_(_silu_mul_torch(sums) if silu_mul else sums)
+    tile = tile or rows_tile(rows, out_features, width, multiprocessors(x.device), tma_available(x.device),
                              weight.element_size())
-    even = weight.shape[0] % tile.block_n == 0 and width % tile.block_k == 0
+    even = out_features % tile.block_n == 0 and width % tile.block_k == 0
     # Triton's CPU interpreter multiplies bfloat16 operands as raw bits: float32 there (each product of
     # 16-bit values is exact in float32, as on the tensor cores).
     dot_f32 = out_dtype == torch.float32 or (weight_scale is None and x.dtype == torch.bfloat16
                                              and triton_interpreter_on())
     scales = weight if weight_scale is None else weight_scale  # a placeholder pointer for 16-bit weights
-    col_tiles, row_tiles = triton.cdiv(weight.shape[0], tile.block_n), triton.cdiv(rows, tile.block_m)
+    col_tiles, row_tiles = triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m)
     slices = triton.cdiv(width, tile.block_k)
     slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
     split_k = triton.cdiv(slices, slices_per_split)  # every split has at least one slice
     partials = arrivals = out  # not touched without a split
     tma = reads_through_tma(weight, tile)
     if split_k > 1:
-        partials, arrivals = _split_workspace(x.device, split_k * col_tiles * row_tiles * tile.block_n * tile.block_m,
-                                              col_tiles * row_tiles)
+        sums = (2 if silu_mul else 1) * split_k * col_tiles * row_tiles * tile.block_n * tile.block_m
+        partials, arrivals = _split_workspace(x.device, sums, col_tiles * row_tiles)
     _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
         x, scales if x_scale is None else x_scale, weight,
         TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, scales,
         weight if bias is None else bias, out,
-        partials, arrivals, rows, weight.shape[0], width, x.stride(0), weight.stride(0), out.stride(0),
+        partials, arrivals, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
         slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
         SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        TMA=tma, W_CODES=weight_scale is not None, num_warps=tile.num_warps,
+        TMA=tma, W_CODES=weight_scale is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
+
+
+def silu_mul_splits_k(rows: int, weight: torch.Tensor) -> bool:
+    """Whether a SiLU * up product of ``rows`` tokens with ``weight`` ([2 * I, K]: gate rows, then up) splits
+    K at its default tile (each split then stores and the last one adds two accumulators' partial sums)."""
+    tile = rows_tile(rows, weight.shape[0] // 2, weight.shape[1], multiprocessors(weight.device),
+                     tma_available(weight.device), weight.element_size())
+    return tile.split_k > 1
+
+
+def _silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [M, 2 * I] (gate columns, then up), rounded as the unfused ops round it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
@@ -484,7 +556,7 @@ def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, tile: RowsTile | None = None, *,
-                 dependent_launch: bool = False) -> torch.Tensor:
+                 dependent_launch: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` with the codes widened in registers (W8A16).
 
     x: [M, K] (columns contiguous) 16-bit or float32; weight: [N, K] float8_e4m3fn, contiguous;
@@ -493,15 +565,16 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     code, and for activations of magnitude 2**-14 to 65504 (every bfloat16 value in that range is a
     float16 one; smaller ones lose bits below 2**-24, larger ones are clamped to 65504). float32
     activations multiply in float32. Any M; built for a few rows (``rows_tile``). No host sync: safe
-    inside a CUDA graph. ``dependent_launch``: as ``scaled_mm``'s.
+    inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M).
     """
     _check_weight(x, weight, weight_scale)
     _check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch)
+    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, silu_mul)
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tile: RowsTile | None = None, *, dependent_launch: bool = False) -> torch.Tensor:
+                tile: RowsTile | None = None, *, dependent_launch: bool = False,
+                silu_mul: bool = False) -> torch.Tensor:
     """``x @ weight^T + bias`` for a few rows of 16-bit weights on the rows kernel (weight rows on the
     tensor cores' 64-row side, K split where the matrix has few output tiles, slices through TMA up to
     16 tokens on sm_90+), where cuBLAS pads the tokens to its own tiles.
@@ -509,7 +582,7 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x: [M, K] (columns contiguous) bfloat16, float16 or float32; weight: [N, K] contiguous, x's dtype;
     bias: None or [N] in x's dtype. Returns [M, N] in x's dtype, rounded once from the float32 sum of
     products exact in float32 (float32 weights multiply in IEEE float32). Built for 2-64 rows. No host
-    sync: safe inside a CUDA graph. ``dependent_launch``: as ``scaled_mm``'s.
+    sync: safe inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M).
     """
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dim() != 2 \
             or not weight.is_contiguous():
@@ -519,7 +592,7 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the weight's {weight.shape[1]} input "
                          f"features in {weight.dtype}")
     _check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch)
+    return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch, silu_mul)
 
 
 def _check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

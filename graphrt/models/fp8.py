@@ -225,14 +225,24 @@ class Fp8Linear(nn.Module):
         path = self._cuda_path(rows, device)
         return path is not None and path[0]
 
-    def forward(self, x):
+    def fuses_silu_mul(self, x) -> bool:
+        """Whether ``forward(x, silu_mul=True)`` writes ``silu(gate) * up`` in the product's own epilogue:
+        a forward on the rows kernel (CUDA, row scales, up to ``fp8_matmul.TRITON_MAX_ROWS`` tokens)."""
+        return self._cuda_path(x.shape[0], x.device) is not None and x.shape[0] <= _fp8_matmul().TRITON_MAX_ROWS
+
+    def forward(self, x, silu_mul: bool = False):
         """x: [T, in] -> [T, out] in x's dtype. x may be ``fp8_matmul.QuantizedRows`` (codes and per-token
-        scales from the kernel that produced it) where ``takes_quantized_input`` says so."""
+        scales from the kernel that produced it) where ``takes_quantized_input`` says so. ``silu_mul``
+        (where ``fuses_silu_mul``): the weight is gate rows then up rows, and the result [T, out / 2] is
+        ``silu(gate) * up``."""
         path = self._cuda_path(x.shape[0], x.device)
+        if silu_mul and not self.fuses_silu_mul(x):
+            raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up "
+                             "epilogue")
         if path is not None:
             fp8_activations, tile = path
             kernels = _fp8_matmul()
-            launch = {"dependent_launch": self.dependent_launch and kernels.ROWS_DEPENDENT_LAUNCH}
+            launch = {"dependent_launch": self.dependent_launch and kernels.ROWS_DEPENDENT_LAUNCH, "silu_mul": silu_mul}
             if fp8_activations:
                 return kernels.scaled_mm(x, self.weight, self.weight_scale, self.bias, tile=tile, **launch)
             if not isinstance(x, torch.Tensor):

@@ -55,7 +55,8 @@ class GemvThresholds:
     #: Forwards of 2 to this many tokens through 16-bit decoder layers of at least
     #: ``rows_kernel_min_layer_bytes`` run their linear products on the rows kernel
     #: (``graphrt.kernels.fp8_matmul.rows_matmul``) instead of cuBLAS, which pads so few tokens to its own
-    #: tiles; the norms, rotary and SiLU * up stay the kernels they are beside cuBLAS.
+    #: tiles; the norms and rotary stay the kernels they are beside cuBLAS, SiLU * up becomes the gate/up
+    #: product's epilogue where its tile does not split K (``FewRowsLinear.fuses_silu_mul``).
     rows_kernel_max_tokens: int = 0
     rows_kernel_min_layer_bytes: int = 0
 

@@ -57,13 +57,31 @@ class FewRowsLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
         self.max_tokens = max_tokens
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out] in x's dtype."""
-        if (ROWS_KERNEL and rows_kernel_runs_on(x.device) and x.dim() == 2 and 1 < x.shape[0] <= self.max_tokens
-                and x.dtype == self.weight.dtype and x.stride(-1) == 1):
+    def takes_rows_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a forward of ``x`` runs the rows kernel."""
+        return (ROWS_KERNEL and rows_kernel_runs_on(x.device) and x.dim() == 2 and 1 < x.shape[0] <= self.max_tokens
+                and x.dtype == self.weight.dtype and x.stride(-1) == 1)
+
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x, silu_mul=True)`` writes ``silu(gate) * up`` in the product's own epilogue: on
+        the rows kernel, where its tile does not split K (16-bit weights: a split product's reduction of two
+        accumulators made the step slower than the activation's own launch; profiles/notes_fusion.md)."""
+        if not self.takes_rows_kernel(x):
+            return False
+        from graphrt.kernels.fp8_matmul import silu_mul_splits_k
+
+        return not silu_mul_splits_k(x.shape[0], self.weight)
+
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x: [T, in] -> [T, out] in x's dtype. ``silu_mul`` (where ``fuses_silu_mul``): the weight is gate
+        rows then up rows, and the result [T, out / 2] is ``silu(gate) * up``."""
+        if self.takes_rows_kernel(x):
             from graphrt.kernels.fp8_matmul import rows_matmul
 
-            return rows_matmul(x, self.weight, self.bias)
+            return rows_matmul(x, self.weight, self.bias, silu_mul=silu_mul)
+        if silu_mul:
+            raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up "
+                             "epilogue")
         return super().forward(x)
 
     def extra_repr(self) -> str:

@@ -48,6 +48,12 @@ def _calibrated_scale(maximum: float, layer: int, kind: str) -> float:
     return KV_SCALE_HEADROOM * maximum / FP8_MAX if maximum > 0 else 1.0
 
 
+#: Whether a gate/up product on the rows kernel writes SiLU * up itself where the down projection takes
+#: 16-bit input, saving the activation's launch (an A/B switch for ``profiles/step_ab.py``, read at each
+#: forward).
+ROWS_SILU_EPILOGUE = True
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device, policy: KernelPolicy) -> nn.Module:
     """A decoder linear layer: ``nn.Linear`` in the model dtype (``FewRowsLinear`` where the policy runs a
     few tokens on the rows kernel), or with ``policy.quantization`` an ``Fp8Linear`` in the policy's
@@ -67,6 +73,13 @@ def _quantizes_input(linear: nn.Module, rows: int, device: torch.device, policy:
     scales (``fp8_matmul.QuantizedRows``): the layer would quantise it first (FP8 tensor cores), and a
     producer that quantises its own output saves that launch."""
     return policy.fused and isinstance(linear, Fp8Linear) and linear.takes_quantized_input(rows, device)
+
+
+def _fuses_silu_mul(linear: nn.Module, x) -> bool:
+    """Whether the gate/up ``linear`` writes SiLU * up of ``x``'s product in its own epilogue (the rows
+    kernel: ``FewRowsLinear``, ``Fp8Linear``)."""
+    fuses = getattr(linear, "fuses_silu_mul", None)
+    return fuses is not None and fuses(x)
 
 
 def _first_names(names: list[str]) -> str:
@@ -180,7 +193,13 @@ class LlamaMLP(nn.Module):
             self._activation = silu_and_mul
 
     def forward(self, hidden) -> torch.Tensor:
-        """hidden: [T, hidden] normalised (or its ``QuantizedRows``) -> [T, hidden]."""
+        """hidden: [T, hidden] normalised (or its ``QuantizedRows``) -> [T, hidden]. Where the gate/up
+        product runs the rows kernel and the down projection takes 16-bit input, SiLU * up is that
+        product's epilogue (``ROWS_SILU_EPILOGUE``) rather than a kernel of its own."""
+        rows = hidden.shape[0]
+        if (ROWS_SILU_EPILOGUE and self.policy.fused and _fuses_silu_mul(self.gate_up_proj, hidden)
+                and not _quantizes_input(self.down_proj, rows, hidden.device, self.policy)):
+            return self.down_proj(self.gate_up_proj(hidden, silu_mul=True))
         gate_up = self.gate_up_proj(hidden)
         if _quantizes_input(self.down_proj, gate_up.shape[0], gate_up.device, self.policy):
             return self.down_proj(self._activation(gate_up, quantize=True))
