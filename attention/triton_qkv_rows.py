@@ -9,16 +9,24 @@ rotates q and k heads with each token's position, writes the rows and stores k a
 cache slots (slot -1, CUDA-graph padding: rotated, never stored). Rounding as the one-token kernel:
 the projection rounded to the model dtype, then the rotation as the unfused torch ops round it; the
 float32 sums run in the tensor cores' order, so a projected value may sit a rounding away.
+
+``project_rope_and_write_kv_cache_on_rows_kernel`` runs the same epilogue on ``graphrt.kernels.fp8_matmul``'s
+rows kernel (16-bit or FP8 weights, K split where the heads are too few to fill the GPU, TMA), taking the
+normalised rows: the rows kernel's product followed by ``rope_and_write_kv_cache``, bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphrt.attention.triton_rope_cache_write import check_rope_operands, rotate_halves, store_cache
-from graphrt.kernels import gemv, gemv_rows
+from graphrt.base.checks import triton_interpreter_on
+from graphrt.kernels import fp8_matmul, gemv, gemv_rows
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.rounding import round_to
 
@@ -70,12 +78,8 @@ def _rows_qkv_rope_cache_kernel(
     tile_ok = channel_ok[:, None] & row_ok[None, :]
     # Positions, rotary rows and slots come from the host's upload, which no kernel of the step writes,
     # and the bias is static: all read before waiting for the previous kernel.
-    positions = tl.load(positions_ptr + rows, mask=row_ok, other=0)
-    table = positions[None, :] * stride_table_row + channel[:, None]  # [BLOCK_N, BLOCK_M]
-    cos = round_to(tl.load(cos_ptr + table, mask=tile_ok, other=0.0), dtype).to(tl.float32)
-    sin = round_to(tl.load(sin_ptr + table, mask=tile_ok, other=0.0), dtype).to(tl.float32)
-    if WRITE_CACHE:
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    cos, sin, slots = rotary_tables(positions_ptr, cos_ptr, sin_ptr, slot_ptr, rows, row_ok, channel, tile_ok,
+                                    stride_table_row, WRITE_CACHE, dtype)
     if HAS_BIAS:
         first_bias = tl.load(bias_ptr + first_cols, mask=channel_ok, other=0.0).to(tl.float32)
         second_bias = tl.load(bias_ptr + first_cols + HALF, mask=channel_ok, other=0.0).to(tl.float32)
@@ -88,6 +92,22 @@ def _rows_qkv_rope_cache_kernel(
     if HAS_BIAS:
         first += first_bias[:, None]
         second += second_bias[:, None]
+    rotate_and_store(first, second, head, channel, tile_ok, rows, cos, sin, slots, qkv_ptr, stride_qkv_row, cache_ptr,
+                     stride_cache_kind, inv_k_scale, inv_v_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, WRITE_CACHE,
+                     QUANTIZE, dtype)
+
+
+@triton.jit
+def rotate_and_store(first, second, head, channel, tile_ok, rows, cos, sin, slots, qkv_ptr, stride_qkv_row, cache_ptr,
+                     stride_cache_kind, inv_k_scale, inv_v_scale, NUM_HEADS: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                     QUANTIZE: tl.constexpr, dtype: tl.constexpr):
+    """The epilogue of a head's projection: float32 sums of its first-half ``channel``s and of their
+    second-half partners [BLOCK_N, BLOCK_M tokens] (bias added) rounded as the projection's output, q and k
+    heads rotated with each token's ``cos`` and ``sin`` [BLOCK_N, BLOCK_M], stored into the rows of qkv, and
+    k and v stored at the tokens' cache ``slots`` (-1: nothing) where ``tile_ok``."""
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    first_cols = head * HEAD_SIZE + channel
     # The projection's output tensor, then the rotation rope_and_write_kv_cache would apply to it.
     first = round_to(first, dtype)
     second = round_to(second, dtype)
@@ -110,6 +130,22 @@ def _rows_qkv_rope_cache_kernel(
             stored = tile_ok & (slots >= 0)[None, :]  # real tokens only
             store_cache(destination, first, inv_scale, stored, QUANTIZE)
             store_cache(destination + HALF, second, inv_scale, stored, QUANTIZE)
+
+
+@triton.jit
+def rotary_tables(positions_ptr, cos_ptr, sin_ptr, slot_ptr, rows, row_ok, channel, tile_ok, stride_table_row,
+                  WRITE_CACHE: tl.constexpr, dtype: tl.constexpr):
+    """(cos, sin) [BLOCK_N channels, BLOCK_M tokens] in float32, rounded to ``dtype`` as the unfused ops
+    round them, and the tokens' cache slots [BLOCK_M] (-1 without WRITE_CACHE or past the rows): from the
+    host's upload, which no kernel of the step writes (readable before a dependent launch's wait)."""
+    positions = tl.load(positions_ptr + rows, mask=row_ok, other=0)
+    table = positions[None, :] * stride_table_row + channel[:, None]
+    cos = round_to(tl.load(cos_ptr + table, mask=tile_ok, other=0.0), dtype).to(tl.float32)
+    sin = round_to(tl.load(sin_ptr + table, mask=tile_ok, other=0.0), dtype).to(tl.float32)
+    slots = tl.full([rows.shape[0]], -1, dtype=tl.int64)
+    if WRITE_CACHE:
+        slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    return cos, sin, slots
 
 
 def half_block(head_size: int) -> int:
@@ -176,5 +212,174 @@ def project_rope_and_write_kv_cache_rows(
         DOT_F32=gemv_rows.dot_in_float32(x), BLOCK_M=gemv_rows.MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(in_features))),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(dependent_launch),
+    )
+    return out
+
+
+# -- the same epilogue on the rows kernel of graphrt.kernels.fp8_matmul (16-bit or FP8 weights) --------------
+
+
+@triton.jit
+def _weight_rows_qkv_rope_cache_kernel(
+    x_ptr,  # [M, K] activations: FP8 codes (X_CODES), else 16-bit or float32 (the normalised rows)
+    x_scale_ptr,  # [M] float32 scales of the codes (read only with X_CODES)
+    w_ptr,  # [(H + 2 * KVH) * D, K] fused QKV weight (E4M3 codes with W_CODES, else x's dtype)
+    w_desc,  # with TMA: a tensor descriptor of w_ptr's rows in [BLOCK_N, BLOCK_K] boxes (else unused)
+    w_scale_ptr,  # [(H + 2 * KVH) * D] float32 (read only with W_CODES)
+    bias_ptr,  # [(H + 2 * KVH) * D] (unused without HAS_BIAS)
+    qkv_ptr,  # [M, (H + 2 * KVH) * D] out: q and k rotated, v as projected
+    positions_ptr,  # [M] int64
+    cos_ptr,  # [P, D] float32 (both halves equal)
+    sin_ptr,  # [P, D] float32
+    cache_ptr,  # [2, num_blocks, block_size * KVH * D]
+    slot_ptr,  # [M] int64, -1 = store nothing
+    partials_ptr,  # split-K scratch (fp8_matmul.gather_split_sums; unused when SPLIT_K == 1)
+    arrivals_ptr,
+    M,
+    K,
+    stride_x,
+    stride_w,
+    stride_qkv_row,
+    stride_table_row,
+    stride_cache_kind,
+    slices_per_split,
+    inv_k_scale,
+    inv_v_scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    X_CODES: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_N divides D / 2 and BLOCK_K divides K
+    TMA: tl.constexpr,
+    W_CODES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # channels of a head's half a program computes (with their second-half partners)
+    BLOCK_K: tl.constexpr,
+):
+    # Program (p, t, s): channels of one head's first half and their second-half partners (paired rows
+    # D / 2 further), tokens tile t, split s of K; fp8_matmul's rows kernel computes the sums.
+    HALF: tl.constexpr = HEAD_SIZE // 2
+    CHUNKS: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
+    dtype = qkv_ptr.dtype.element_ty
+    head = tl.program_id(0) // CHUNKS
+    first_channel = (tl.program_id(0) % CHUNKS) * BLOCK_N
+    channel = first_channel + tl.arange(0, BLOCK_N)
+    channel_ok = channel < HALF
+    first_col = head * HEAD_SIZE + first_channel
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    tile_ok = channel_ok[:, None] & row_ok[None, :]
+    cos, sin, slots = rotary_tables(positions_ptr, cos_ptr, sin_ptr, slot_ptr, rows, row_ok, channel, tile_ok,
+                                    stride_table_row, WRITE_CACHE, dtype)
+    first, second = fp8_matmul.rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, HALF, rows, row_ok, channel_ok, K,
+                                              stride_x, stride_w, slices_per_split, True, X_CODES, DOT_F32, EVEN, TMA,
+                                              W_CODES, BLOCK_M, BLOCK_N, BLOCK_K)
+    last, first, second = fp8_matmul.gather_split_sums(first, second, partials_ptr, arrivals_ptr, True, SPLIT_K,
+                                                       BLOCK_M, BLOCK_N)
+    if last:
+        first_cols = head * HEAD_SIZE + channel
+        first = fp8_matmul.scaled_sums(first, first_cols, channel_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr,
+                                       X_CODES, HAS_BIAS, W_CODES)
+        second = fp8_matmul.scaled_sums(second, first_cols + HALF, channel_ok, rows, row_ok, x_scale_ptr, w_scale_ptr,
+                                        bias_ptr, X_CODES, HAS_BIAS, W_CODES)
+        rotate_and_store(first, second, head, channel, tile_ok, rows, cos, sin, slots, qkv_ptr, stride_qkv_row,
+                         cache_ptr, stride_cache_kind, inv_k_scale, inv_v_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
+                         WRITE_CACHE, QUANTIZE, dtype)
+
+
+def project_rope_and_write_kv_cache_on_rows_kernel(
+    x: torch.Tensor | fp8_matmul.QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    tile: fp8_matmul.RowsTile | None = None,
+) -> torch.Tensor:
+    """The QKV projection of 1 to ``fp8_matmul.TRITON_MAX_ROWS`` normalised tokens on the rows kernel
+    (``fp8_matmul``: weight rows on the tensor cores' wide side, K split where the heads are too few to fill
+    the GPU, slices through TMA up to 16 tokens on sm_90+), rotated and stored in the cache in its epilogue:
+    the rows kernel's product followed by ``rope_and_write_kv_cache``, bit for bit at the same tile.
+
+    x: [M, K] activations (16-bit or float32, columns contiguous) or ``QuantizedRows`` (FP8 codes and
+    per-token scales: FP8 x FP8 products); weight: [(H + 2 * KVH) * D, K] contiguous, x's dtype, or FP8
+    codes with ``weight_scale`` [(H + 2 * KVH) * D] float32 (16-bit x: W8A16); bias: None or
+    [(H + 2 * KVH) * D]; positions, cos, sin, kv_cache, slot_mapping, scales: as ``rope_and_write_kv_cache``
+    (kv_cache None: rotate only). ``tile``: its ``block_m``, ``block_k``, stages, warps, split and TMA
+    (``block_n`` is ``half_block``'s; default ``fp8_matmul.rows_tile``'s for the launch's programs).
+    Returns qkv [M, (H + 2 * KVH) * D] in the activations' dtype: q and k rotated, v as projected. No host
+    sync: safe inside a CUDA graph."""
+    quantized = isinstance(x, fp8_matmul.QuantizedRows)
+    rows_in = x.codes if quantized else x
+    dtype = x.dtype
+    if rows_in.dim() != 2 or rows_in.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with contiguous columns, got {tuple(rows_in.shape)}")
+    num_tokens, in_features = rows_in.shape
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    if weight.dim() != 2 or weight.shape != (width, in_features) or not weight.is_contiguous():
+        raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous fused QKV weight of {width} rows "
+                         f"({num_heads} + 2 x {num_kv_heads} heads of {head_size}) by {in_features}")
+    codes_weight = weight.dtype == fp8_matmul.FP8_DTYPE
+    if codes_weight != (weight_scale is not None) or (quantized and not codes_weight):
+        raise ValueError("FP8 weight codes take their row scales (weight_scale), 16-bit weights none; FP8 "
+                         "activations need FP8 weights")
+    if not codes_weight and weight.dtype != dtype:
+        raise ValueError(f"16-bit weights must be x's dtype ({dtype}), got {weight.dtype}")
+    if weight_scale is not None and (weight_scale.shape != (width,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be float32 [{width}], got {tuple(weight_scale.shape)} {weight_scale.dtype}")
+    if bias is not None and (bias.shape != (width,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{width}] tensor, got {tuple(bias.shape)}")
+    if num_tokens > fp8_matmul.TRITON_MAX_ROWS:
+        raise ValueError(f"{num_tokens} tokens exceed the rows kernel's {fp8_matmul.TRITON_MAX_ROWS}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
+    write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
+    out = torch.empty((num_tokens, width), dtype=dtype, device=rows_in.device)
+    if num_tokens == 0:
+        return out
+    block_n = half_block(head_size)
+    programs = (num_heads + 2 * num_kv_heads) * triton.cdiv(head_size // 2, block_n)
+    # rows_tile counts a launch's programs in 64-row tiles: the split rule sees this launch's programs.
+    tile = tile or fp8_matmul.rows_tile(num_tokens, programs * 64, in_features,
+                                        fp8_matmul.multiprocessors(rows_in.device),
+                                        fp8_matmul.tma_available(rows_in.device), weight.element_size())
+    tile = dataclasses.replace(tile, block_n=block_n)
+    row_tiles = triton.cdiv(num_tokens, tile.block_m)
+    slices = triton.cdiv(in_features, tile.block_k)
+    slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
+    split_k = triton.cdiv(slices, slices_per_split)
+    partials = arrivals = out  # not touched without a split
+    if split_k > 1:
+        partials, arrivals = fp8_matmul.split_workspace(rows_in.device, 2 * split_k * programs * row_tiles * block_n
+                                                        * tile.block_m, programs * row_tiles)
+    tma = fp8_matmul.reads_through_tma(weight, tile)
+    scales = weight if weight_scale is None else weight_scale  # a placeholder pointer for 16-bit weights
+    dot_f32 = dtype == torch.float32 or (not codes_weight and dtype == torch.bfloat16 and triton_interpreter_on())
+    _weight_rows_qkv_rope_cache_kernel[(programs, row_tiles, split_k)](
+        rows_in, x.scales if quantized else scales, weight,
+        TensorDescriptor.from_tensor(weight, [block_n, tile.block_k]) if tma else weight, scales,
+        weight if bias is None else bias, out, positions, cos, sin, kv_cache if write else out,
+        slot_mapping if write else positions, partials, arrivals, num_tokens, in_features, rows_in.stride(0),
+        weight.stride(0), out.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0, slices_per_split,
+        1.0 / float(k_scale), 1.0 / float(v_scale),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HAS_BIAS=bias is not None,
+        WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, X_CODES=quantized,
+        DOT_F32=dot_f32, EVEN=(head_size // 2) % block_n == 0 and in_features % tile.block_k == 0, TMA=tma,
+        W_CODES=codes_weight, SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -18,6 +18,9 @@
 #   rows-tma-ab                        step_ab.py: FP8 at batch 8 / 16, the rows kernel through TMA against the threads' loads
 #   rows-16bit                         the rows kernel on bf16 weights (2-16 tokens): each matrix against cuBLAS, then
 #                                      step_ab.py at batch 8 and graphrt bench's verify steps with it off (notes_fusion.md)
+#   rows-rope-ab                       the QKV product on the rows kernel rotating and writing the cache in its epilogue
+#                                      (llama.ROWS_ROPE_EPILOGUE, off): its GPU tests, then step_ab.py at batch 8, bf16
+#                                      and FP8, and the 1B's verify steps with it on
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   fp8-rows-tma                       bench_fp8_linear.py --sweep tma: the rows kernel's weight slices through TMA
@@ -154,6 +157,22 @@ for stage in $stages; do
       log "graphrt bench llama-3.2-1b, verify steps of 5 rows beside plain steps (the rows kernel on)"
       graphrt bench --model random:llama-3.2-1b --batch-sizes 1,8 --contexts 512 --query-tokens 1,5 --steps 50 \
         --json "$OUT/rows_kernel_16bit_verify_$TAG.json" || status=1
+      ;;
+    rows-rope-ab)
+      log "GPU tests of the QKV kernel on the rows kernel (tests/test_qkv_rope_cache.py, tests/test_few_rows_linear.py)"
+      python -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_qkv_rope_cache.py tests/test_few_rows_linear.py \
+        -k "rows_kernel or rows_linear or silu" > "$OUT/rows_rope_tests_$TAG.log" 2>&1 || status=1
+      tail -3 "$OUT/rows_rope_tests_$TAG.log"
+      for spec in "llama-3.2-1b none" "llama-3-8b none" "llama-3.2-1b fp8" "llama-3-8b fp8"; do
+        set -- $spec
+        log "step_ab.py $1 weights $2 batch 8: QKV rotating and writing the cache in its epilogue"
+        python profiles/step_ab.py --model "random:$1" --quantization "$2" --batch-size 8 \
+          --set graphrt.models.llama.ROWS_ROPE_EPILOGUE=True --json "$OUT/rows_rope_ab_$1_$2_b8_$TAG.json" || status=1
+      done
+      log "graphrt bench llama-3.2-1b verify steps, the QKV epilogue on"
+      python -c "import sys, graphrt.models.llama as m; m.ROWS_ROPE_EPILOGUE = True; from graphrt.cli import main; sys.exit(main(sys.argv[1:]))" \
+        bench --model random:llama-3.2-1b --batch-sizes 1 --contexts 512 --query-tokens 1,5 --steps 50 \
+        --json "$OUT/rows_rope_verify_$TAG.json" || status=1
       ;;
     bench-fp8)
       # The same shapes in bf16 and FP8 weights, one call, side by side; then the FP8 cache beside the bf16

@@ -16,12 +16,14 @@ pytest.importorskip("triton")
 
 from triton_cpu import interpreted  # noqa: E402
 
+from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
 from graphrt.kernels import fp8_matmul  # noqa: E402
-from graphrt.models import kernel_policy, layers  # noqa: E402
+from graphrt.models import kernel_policy, layers, llama  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 interpreted(fp8_matmul, "_weight_rows_kernel")
+qkv_rows = interpreted(qkv_rows, "_weight_rows_qkv_rope_cache_kernel")
 
 
 def _decode(monkeypatch, rows_kernel: bool):
@@ -29,17 +31,22 @@ def _decode(monkeypatch, rows_kernel: bool):
     kernel's call sizes in the first run and in the second."""
     from graphrt import LLM, SamplingParams
 
-    bound = dict(rows_kernel_max_tokens=16, rows_kernel_min_layer_bytes=0) if rows_kernel else \
-        dict(rows_kernel_max_tokens=0)
+    # float32 (products exact on both paths, so the tokens must agree): a dtype the bound was not measured in.
+    bound = dict(rows_kernel_max_tokens=16, rows_kernel_min_layer_bytes=0, rows_kernel_dtypes=(torch.float32,)) \
+        if rows_kernel else dict(rows_kernel_max_tokens=0)
     monkeypatch.setattr(kernel_policy, "GEMV_THRESHOLDS", dataclasses.replace(kernel_policy.GEMV_THRESHOLDS, **bound))
     monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)  # the interpreter on a CPU
     # The tiny gate/up splits K on a large GPU, where the rule keeps the activation's launch: every product
     # takes the epilogue here (the rule: test_the_silu_epilogue_is_for_unsplit_16bit_products).
     monkeypatch.setattr(fp8_matmul, "silu_mul_splits_k", lambda rows, weight: False)
+    monkeypatch.setattr(llama, "ROWS_ROPE_EPILOGUE", True)  # off by default until measured: tested here
     calls = []
     rows_matmul = fp8_matmul.rows_matmul
     monkeypatch.setattr(fp8_matmul, "rows_matmul",
                         lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_mul", False))) or rows_matmul(x, *a, **k))
+    project = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
+    monkeypatch.setattr(qkv_rows, "project_rope_and_write_kv_cache_on_rows_kernel",
+                        lambda x, *a, **k: calls.append((x.shape[0], "qkv")) or project(x, *a, **k))
     prompts = [[(13 * i + 7 * n) % 500 + 3 for i in range(n)] for n in (3, 9, 17, 4, 11, 6)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     with LLM("random:tiny", dtype="float32", device=DEVICE, fused_kernels=True, max_model_len=64, num_kv_blocks=64,
@@ -58,19 +65,22 @@ def _decode(monkeypatch, rows_kernel: bool):
 
 @pytest.mark.gpu
 def test_a_model_on_the_rows_kernel_decodes_as_on_cublas(monkeypatch):
-    """Decode steps of six rows and a 9-token prompt's prefill on the rows kernel, SiLU * up in the gate/up
-    product's epilogue; the six prompts' prefill together (50 tokens) and one-row steps not. Float32
-    products on both paths: the same tokens, logprobs within float32 summation order."""
+    """Decode steps of six rows and a 9-token prompt's prefill on the rows kernel, rotary and the cache write
+    in the QKV product's epilogue, SiLU * up in gate/up's; the six prompts' prefill together (50 tokens) and
+    one-row steps not. Float32 products on both paths: the same tokens, logprobs within float32 summation
+    order."""
     reference, _, _ = _decode(monkeypatch, rows_kernel=False)
     outputs, decode_calls, alone_calls = _decode(monkeypatch, rows_kernel=True)
-    # Each layer's four products, gate/up with SiLU * up in its epilogue (no activation kernel); the prompts'
-    # prefill together (50 tokens) and one-token steps on cuBLAS. On a GPU the decode steps replay graphs
-    # captured for padded batches of up to 16 rows (the calls made while capturing).
+    # Each layer's four products: QKV with rotary and the cache write in its epilogue, O and down, gate/up
+    # with SiLU * up in its epilogue (no rotary or activation kernel); the prompts' prefill together (50
+    # tokens) and one-token steps on cuBLAS. On a GPU the decode steps replay graphs captured for padded
+    # batches of up to 16 rows (the calls made while capturing).
     sizes = {rows for rows, _ in decode_calls}
     assert (sizes == {6}) if not CUDA else (6 not in sizes and 8 in sizes and sizes <= set(range(2, 17)))
-    assert 3 * sum(silu for _, silu in decode_calls) == sum(not silu for _, silu in decode_calls) > 0
+    kinds = [kind for _, kind in decode_calls]
+    assert kinds.count("qkv") == kinds.count(True) == kinds.count(False) // 2 > 0
     if not CUDA:  # on a GPU the prompt runs in a prompt graph captured at start (its calls among the above)
-        assert set(alone_calls) == {(9, False), (9, True)}
+        assert set(alone_calls) == {(9, "qkv"), (9, False), (9, True)}
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
@@ -93,43 +103,52 @@ def test_the_silu_epilogue_is_for_unsplit_16bit_products(monkeypatch):
 
 
 def test_few_rows_linear_falls_back_outside_its_bound(monkeypatch):
-    """One token, more than max_tokens, the switch off, or a device it does not run on: nn.Linear's
-    result bit for bit (the rows kernel never called)."""
+    """On a device it runs on: one token, more than max_tokens, x in another dtype or with strided columns,
+    or the switch off: nn.Linear's result bit for bit (the rows kernel never called); a device it does not
+    run on, the same. A SiLU * up epilogue asked of such a forward is refused."""
     monkeypatch.setattr(fp8_matmul, "rows_matmul", lambda *a, **k: pytest.fail("the rows kernel ran"))
     torch.manual_seed(0)
     linear = layers.FewRowsLinear(64, 48, bias=True, device=DEVICE, max_tokens=4)
-    for rows in (1, 5):
-        x = torch.randn(rows, 64, device=DEVICE)
-        assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    monkeypatch.setattr(layers, "ROWS_KERNEL", False)
-    monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)
+    reference = lambda x: torch.nn.functional.linear(x, linear.weight, linear.bias)  # noqa: E731
     x = torch.randn(3, 64, device=DEVICE)
-    assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    if not CUDA:
+        assert torch.equal(linear(x), reference(x))  # the CPU: never
+    monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)
+    assert not linear.takes_rows_kernel(torch.randn(3, 64, device=DEVICE, dtype=torch.float64))  # not its dtype
+    for x in (torch.randn(1, 64, device=DEVICE), torch.randn(5, 64, device=DEVICE), torch.randn(64, 3, device=DEVICE).t()):
+        assert not linear.takes_rows_kernel(x)
+        assert torch.equal(linear(x), reference(x))
+        with pytest.raises(ValueError, match="no SiLU \\* up epilogue"):
+            linear(x, silu_mul=True)
+    monkeypatch.setattr(layers, "ROWS_KERNEL", False)
+    x = torch.randn(3, 64, device=DEVICE)
+    assert torch.equal(linear(x), reference(x))
     assert "rows kernel for 2-4 tokens" in repr(linear)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores (sm_89+)")
 @pytest.mark.parametrize("batch", [3, 12, 40])
-def test_fp8_gate_up_with_silu_epilogue_decodes_as_with_the_activation_kernel(monkeypatch, batch):
+@pytest.mark.parametrize("qkv_epilogue", [False, True])
+def test_fp8_gate_up_with_silu_epilogue_decodes_as_with_the_activation_kernel(monkeypatch, batch, qkv_epilogue):
     """FP8 weights, float32 activations (products in float32): SiLU * up written by the gate/up product's
     epilogue where the down projection takes 16-bit input (W8A16, up to 16 rows), the activation kernel
     where it takes FP8 codes (more rows: the prompts' prefill, 40 rows): the same tokens and logprobs as
-    with the epilogue switched off."""
+    with the epilogue switched off; and so with QKV rotating and writing the cache in its own epilogue."""
     from graphrt import LLM, SamplingParams
-    from graphrt.models import llama
 
-    prompts = [[(11 * i + 5 * n) % 400 + 3 for i in range(4 + n % 7)] for n in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     # The W8A16 kernel at up to 16 rows on every matrix (the tiny model's down does not split K, which
     # sends it to FP8 tensor cores by default): the down projection then takes 16-bit input, as the 1B's and
     # the 8B's do. The FP8 x FP8 kernel's epilogue: test_fp8_matmul.py.
     monkeypatch.setattr(fp8_matmul, "w8a16_is_faster", lambda tile: True)
+    monkeypatch.setattr(llama, "ROWS_ROPE_EPILOGUE", qkv_epilogue)
     results, fused_calls = {}, []
     for name in ("scaled_mm", "w8a16_matmul"):
         function = getattr(fp8_matmul, name)
         monkeypatch.setattr(fp8_matmul, name, lambda x, *a, _f=function, **k: fused_calls.append(
             (x.shape[0], k.get("silu_mul", False))) or _f(x, *a, **k))
+    prompts = [[(11 * i + 5 * n) % 400 + 3 for i in range(4 + n % 7)] for n in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     for epilogue in (False, True):
         monkeypatch.setattr(llama, "ROWS_SILU_EPILOGUE", epilogue)
         with LLM("random:tiny", dtype="float32", quantization="fp8", max_model_len=64, num_kv_blocks=256,

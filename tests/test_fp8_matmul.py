@@ -163,10 +163,11 @@ _SILU_FUNCTIONS = {"w16": "rows_matmul", "w8a16": "w8a16_matmul", "fp8": "scaled
 @pytest.mark.parametrize("kind", list(_SILU_FUNCTIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows,intermediate,in_features,tile", [
-    (5, 48, 96, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # partial column tile past the gate rows
+    (5, 40, 96, fp8_matmul.RowsTile(16, 16, 32, 4, 2)),  # a partial column tile: gate rows past I masked
     (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # unmasked loads
     (20, 40, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K (3, 3, 1 slices): gate and up partials
     (5, 48, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=2, tma=True)),  # through TMA: the up box N rows on
+    (5, 40, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, tma=True)),  # TMA's last gate box runs into the up rows
 ])
 def test_silu_mul_epilogue_equals_the_product_then_silu_and_mul(kind, rows, intermediate, in_features, tile, dtype):
     """The same tile's sums either way: the fused epilogue writes silu_and_mul's bits of the unfused product
@@ -192,10 +193,17 @@ def test_silu_mul_epilogue_equals_the_product_then_silu_and_mul(kind, rows, inte
     assert ((fused.double() - expected).abs() <= bound).all()
 
 
-def test_silu_mul_refuses_an_odd_weight_and_too_many_rows():
+def test_silu_mul_refuses_an_odd_weight_a_short_bias_and_too_many_rows():
     weight = torch.randn(33, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="gate and up rows alike"):
-        fp8_matmul.rows_matmul(torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16), weight, silu_mul=True)
+        fp8_matmul.rows_matmul(x, weight, silu_mul=True)
+    odd_codes, odd_scale = quantize_per_channel(torch.randn(33, 64))
+    with pytest.raises(ValueError, match="gate and up rows alike"):
+        fp8_matmul.w8a16_matmul(x, odd_codes.to(DEVICE), odd_scale.to(DEVICE), silu_mul=True)
+    with pytest.raises(ValueError, match="bias must be a contiguous \\[64\\]"):  # [2 * I], gate's then up's
+        fp8_matmul.rows_matmul(x, weight[:32].repeat(2, 1), torch.zeros(32, device=DEVICE, dtype=torch.bfloat16),
+                               silu_mul=True)
     codes, scale = quantize_per_channel(torch.randn(64, 64))
     rows = fp8_matmul.TRITON_MAX_ROWS + 1
     with pytest.raises(ValueError, match="silu_mul takes at most"):
@@ -309,7 +317,7 @@ def test_split_k_launches_repeat_bit_for_bit_and_leave_their_counts_at_zero(monk
     x = _rows(5, 320, torch.bfloat16, seed=11)
     tile = fp8_matmul.RowsTile(16, 32, 32, 4, 2, split_k=4)
     first = fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
-    _, arrivals = fp8_matmul._split_workspace(x.device, 0, 0)
+    _, arrivals = fp8_matmul.split_workspace(x.device, 0, 0)
     assert int(arrivals.abs().sum()) == 0
     again = fp8_matmul.scaled_mm(x, codes, scale, tile=tile), fp8_matmul.w8a16_matmul(x, codes, scale, tile=tile)
     assert torch.equal(again[1], first) and int(arrivals.abs().sum()) == 0
@@ -486,6 +494,12 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
                             W_CODES=w_type == "fp8e4nv", SILU_MUL=silu),
             num_warps=4, num_stages=stages, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
+    one_row = dict(cases[3], name="rows-w16-one-output-row",  # a size of 1 is specialised to a constant
+                   signature={k: v for k, v in cases[3]["signature"].items() if k != "N"},
+                   constexprs={**cases[3]["constexprs"], "N": 1, "EVEN": False},
+                   aligned_ints=["K", "stride_x", "stride_w", "stride_out"])
+    cases.append(one_row)
+    cases.append(dict(one_row, name="rows-w16-silu-one-output-row", constexprs={**one_row["constexprs"], "SILU_MUL": True}))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
         assert result["tma_loads"] > 0, (case["name"], result)

@@ -43,11 +43,13 @@ def test_the_bounds_come_from_the_thresholds_given():
 
 def test_the_rows_kernel_takes_16bit_layers_from_the_measured_size():
     """Fused 16-bit layers of at least rows_kernel_min_layer_bytes (the 1B's, the 8B's) run 2-16 tokens on
-    the rows kernel; SmolLM2's smaller ones, FP8 layers and unfused models never."""
+    the rows kernel; SmolLM2's smaller ones, float32 and FP8 layers and unfused models never."""
     assert GEMV_THRESHOLDS.rows_kernel_max_tokens == 16
     for preset, expected in (("llama-3.2-1b", 16), ("llama-3-8b", 16), ("smollm2-135m", 0), ("tiny", 0)):
         assert KernelPolicy.choose(PRESETS[preset], torch.bfloat16, True, True).rows_kernel_max_tokens == expected
     assert KernelPolicy.choose(PRESETS["llama-3.2-1b"], torch.bfloat16, False).rows_kernel_max_tokens == 0
+    assert KernelPolicy.choose(PRESETS["llama-3.2-1b"], torch.float16, True).rows_kernel_max_tokens == 16
+    assert KernelPolicy.choose(PRESETS["llama-3.2-1b"], torch.float32, True).rows_kernel_max_tokens == 0  # unmeasured
     assert KernelPolicy.choose(PRESETS["llama-3.2-1b"], torch.bfloat16, True, True,
                                quantization="fp8").rows_kernel_max_tokens == 0
     with pytest.raises(ValueError, match="rows kernel for 16-bit layers needs fused_kernels"):

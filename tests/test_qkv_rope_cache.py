@@ -13,6 +13,7 @@ caches poisoned first. Small shapes on the CPU under Triton's interpreter, model
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -26,7 +27,7 @@ from triton_cpu import interpreted  # noqa: E402
 
 from graphrt.attention import triton_qkv_rows as qkv_rows  # noqa: E402
 from graphrt.attention import triton_rope_cache_write as rope_write  # noqa: E402
-from graphrt.kernels import gemv, gemv_rows  # noqa: E402
+from graphrt.kernels import fp8_matmul, gemv, gemv_rows  # noqa: E402
 from graphrt.models.fp8 import quantize_per_channel  # noqa: E402
 from graphrt.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -34,6 +35,7 @@ gemv = interpreted(gemv, "_gemv_kernel")
 rope_write = interpreted(rope_write, "_qkv_rope_cache_kernel")
 gemv_rows = interpreted(gemv_rows, "_rows_linear_kernel")
 qkv_rows = interpreted(qkv_rows, "_rows_qkv_rope_cache_kernel")
+fp8_matmul = interpreted(fp8_matmul, "_weight_rows_kernel")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -279,3 +281,139 @@ def test_rows_kernel_refuses_more_rows_than_a_tile():
                                                                       (32, 8, 128, 4096)])
 def test_rows_kernel_model_shapes_gpu(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype):
     check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed=num_tokens, rows_kernel=True)
+
+
+# -- the same epilogue on fp8_matmul's rows kernel (16-bit, W8A16 and FP8 x FP8) ---------------------------
+
+
+def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, tile, *, bias=False,
+                         cache_dtype=None, scales=(1.0, 1.0), seed=0):
+    """The fused kernel against the rows kernel's product at the same tile (block_n the fused kernel's)
+    followed by rope_and_write_kv_cache: the same bits in qkv and in the cache (poisoned: every element
+    the fused kernel owns written). ``kind``: "w16" (16-bit weights), "w8a16" (FP8 codes, 16-bit
+    activations) or "fp8" (FP8 codes, activations quantised per token)."""
+    cache_dtype = cache_dtype or dtype
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    kv_size = num_kv_heads * head_size
+    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
+    weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
+    weight_scale = None
+    if kind != "w16":
+        weight, weight_scale = quantize_per_channel(weight)
+    activations = x if kind != "fp8" else fp8_matmul.QuantizedRows(*fp8_matmul.quantize_rows(x), dtype)
+    qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
+    rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    num_blocks = num_tokens // BLOCK_SIZE + 3
+    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen)[:num_tokens] + BLOCK_SIZE
+    slots[1::3] = -1  # CUDA-graph padding rows: rotated, never stored
+    slots = slots.to(DEVICE)
+    poison = float("nan") if cache_dtype != FP8 else 448.0
+    cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
+    want_cache = cache.clone()
+
+    plain_tile = dataclasses.replace(tile, block_n=qkv_rows.half_block(head_size))
+    if kind == "w16":
+        projected = fp8_matmul.rows_matmul(x, weight, qkv_bias, tile=plain_tile)
+    elif kind == "w8a16":
+        projected = fp8_matmul.w8a16_matmul(x, weight, weight_scale, qkv_bias, tile=plain_tile)
+    else:
+        projected = fp8_matmul.scaled_mm(activations, weight, weight_scale, qkv_bias, tile=plain_tile)
+    want = projected.clone()
+    rope_write.rope_and_write_kv_cache(want, positions, rotary.cos, rotary.sin, want_cache, slots, num_heads,
+                                       num_kv_heads, head_size, k_scale=scales[0], v_scale=scales[1])
+    got = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel(
+        activations, weight, weight_scale, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads,
+        num_kv_heads, head_size, k_scale=scales[0], v_scale=scales[1], tile=tile)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert torch.equal(got, want), (got.double() - want.double()).abs().max()
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["w16", "w8a16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_size,hidden,tile", [
+    (5, 4, 2, 64, 96, fp8_matmul.RowsTile(16, 64, 32, 4, 2)),  # halves of 32 channels: one program a head
+    (3, 2, 1, 128, 64, fp8_matmul.RowsTile(16, 64, 32, 4, 2, split_k=2)),  # split K: both halves' partials
+    (20, 3, 1, 80, 48, fp8_matmul.RowsTile(16, 64, 32, 4, 2)),  # two token tiles; halves of 40 in 16s (masked)
+    (6, 2, 2, 64, 224, fp8_matmul.RowsTile(16, 64, 32, 4, 2, split_k=3, tma=True)),  # through TMA, split 3, 3, 1
+])
+def test_qkv_on_the_rows_kernel_is_its_product_then_rope_and_write(kind, num_tokens, num_heads, num_kv_heads,
+                                                                   head_size, hidden, dtype, tile):
+    check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, tile, seed=num_tokens)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8])
+def test_qkv_on_the_rows_kernel_with_bias_and_an_fp8_cache(cache_dtype):
+    scales = (0.5, 2.0) if cache_dtype == FP8 else (1.0, 1.0)
+    check_on_rows_kernel("w8a16", 4, 2, 1, 64, 64, torch.bfloat16, fp8_matmul.RowsTile(16, 64, 32, 4, 2), bias=True,
+                         cache_dtype=cache_dtype, scales=scales)
+
+
+def test_qkv_on_the_rows_kernel_refuses_bad_operands():
+    rotary = RotaryEmbedding(64, 32, 10000.0, None, device=DEVICE)
+    positions = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(4 * 64, 64, device=DEVICE, dtype=torch.bfloat16)
+    project = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
+    with pytest.raises(ValueError, match="not a contiguous fused QKV weight"):
+        project(x, weight[:200], None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="take their row scales"):
+        project(x, weight, torch.ones(256, device=DEVICE), None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="must be x's dtype"):
+        project(x.float(), weight, None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="exceed the rows kernel"):
+        many = torch.randn(65, 64, device=DEVICE, dtype=torch.bfloat16)
+        project(many, weight, None, None, torch.zeros(65, dtype=torch.int64, device=DEVICE), rotary.cos, rotary.sin,
+                None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="one position per row"):
+        project(x, weight, None, None, positions[:2], rotary.cos, rotary.sin, None, None, 2, 1, 64)
+
+
+def test_qkv_on_the_rows_kernel_compiles_for_sm90():
+    """sm_90: 16-bit, W8A16 and FP8 x FP8, through TMA (the two halves' boxes) or not, split or not, an fp8
+    cache; within the H200's shared memory."""
+    from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
+
+    cases = []
+    for kind, head_size, tma, split_k, cache in [("w16", 64, True, 4, "bf16"), ("w8a16", 128, True, 2, "fp8e4nv"),
+                                                  ("fp8", 128, True, 1, "bf16"), ("w16", 80, False, 1, "bf16")]:
+        weight = "bf16" if kind == "w16" else "fp8e4nv"
+        block_n, block_k = qkv_rows.half_block(head_size), 128 if kind == "w16" else 256
+        pointers = dict(x_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", x_scale_ptr="*fp32", w_ptr=f"*{weight}",
+                        w_desc=f"tensordesc<{weight}[{block_n}, {block_k}]>" if tma else f"*{weight}",
+                        w_scale_ptr="*fp32", bias_ptr="*bf16", qkv_ptr="*bf16", positions_ptr="*i64", cos_ptr="*fp32",
+                        sin_ptr="*fp32", cache_ptr=f"*{cache}", slot_ptr="*i64", partials_ptr="*fp32",
+                        arrivals_ptr="*i32")
+        integers = {arg: "i32" for arg in ("M", "K", "stride_x", "stride_w", "stride_qkv_row", "stride_table_row",
+                                           "stride_cache_kind", "slices_per_split")}
+        cases.append(dict(
+            name=f"qkv-rows-{kind}-{head_size}-split{split_k}{'-tma' if tma else ''}",
+            module="graphrt.attention.triton_qkv_rows", kernel="_weight_rows_qkv_rope_cache_kernel",
+            signature={**pointers, **integers, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+            constexprs=dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=head_size, HAS_BIAS=False, WRITE_CACHE=True,
+                            QUANTIZE=cache == "fp8e4nv", X_CODES=kind == "fp8", DOT_F32=False,
+                            EVEN=(head_size // 2) % block_n == 0, TMA=tma, W_CODES=kind != "w16", SPLIT_K=split_k,
+                            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k),
+            num_warps=4, num_stages=4, aligned_ints=["K", "stride_x", "stride_w"]))
+    for case, result in zip(cases, compile_for_sm90(cases)):
+        assert "error" not in result, (case["name"], result)
+        assert result["shared"] <= H200_SHARED_MEMORY, (case["name"], result)
+        assert (result["tma_loads"] > 0) is case["constexprs"]["TMA"], (case["name"], result)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("kind", ["w16", "w8a16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [2, 8, 16, 40])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,hidden", [(32, 8, 64, 2048), (32, 8, 128, 4096)])
+def test_qkv_on_the_rows_kernel_model_shapes_gpu(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden):
+    """The 1B's and the 8B's QKV at their default tiles (split K, TMA up to 16 tokens on sm_90+)."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    programs = (num_heads + 2 * num_kv_heads) * -(-(head_size // 2) // qkv_rows.half_block(head_size))
+    tile = fp8_matmul.rows_tile(num_tokens, programs * 64, hidden, fp8_matmul.multiprocessors(torch.device(DEVICE)),
+                                fp8_matmul.tma_available(torch.device(DEVICE)), 1 if kind != "w16" else 2)
+    assert width
+    check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, torch.bfloat16, tile,
+                         seed=num_tokens)

@@ -5,6 +5,9 @@ graph, so the layer's norms, residual adds and activation run as one kernel each
 eight (profiles/notes_fusion.md has the measurements). At batch 1, ``gemv`` goes further: the linear
 layers themselves run as matrix-vector kernels with the norm, SiLU * up and residual add fused in;
 ``gemv_rows`` does the same for a few rows at once on tensor cores (off until measured on the GPU).
+``fp8_matmul``'s rows kernel multiplies 2-64 tokens with the weight rows on the tensor cores' wide side:
+FP8 weights, and 16-bit ones in place of cuBLAS for 2-16 tokens (``rows_matmul``), SiLU * up optionally
+in its epilogue.
 The rotary embedding fused with the KV-cache write lives with the cache kernels, in
 ``graphrt.attention.triton_rope_cache_write``; the fused samplers live in ``graphrt.sampling``.
 

@@ -1,5 +1,5 @@
 """Products of FP8 weights (E4M3 codes, a float32 scale per row) with several tokens' activations, and
-the same rows kernel on 16-bit weights (``rows_matmul``).
+the same rows kernel on 16-bit (or float32) weights (``rows_matmul``).
 
 The GEMV kernels read a row's weights once per token (``graphrt.kernels.gemv``), so above one token an
 FP8 model's linear layers run on the tensor cores, one of two ways:
@@ -248,76 +248,104 @@ def _weight_rows_kernel(
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
     dtype = out_ptr.dtype.element_ty
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_col = tl.program_id(0) * BLOCK_N
+    cols = first_col + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w  # read only with SILU_MUL
     row_ok, col_ok = rows < M, cols < N
-    k_begin = tl.program_id(2) * slices_per_split * BLOCK_K
-    k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # x (a kernel of the step wrote it), the split scratch and the output only after the kernel before
         # has finished: a launch that started early never meets the one before it on the scratch.
         tl.extra.cuda.gdc_wait()
+    acc, up_acc = rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, N, rows, row_ok, col_ok, K, stride_x, stride_w,
+                                 slices_per_split, SILU_MUL, X_CODES, DOT_F32, EVEN, TMA, W_CODES, BLOCK_M, BLOCK_N,
+                                 BLOCK_K)
+    last, acc, up_acc = gather_split_sums(acc, up_acc, partials_ptr, arrivals_ptr, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)
+    if last:
+        _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                         stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
+
+
+@triton.jit
+def rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, pair_offset, rows, row_ok, col_ok, K, stride_x, stride_w,
+                   slices_per_split, PAIRED: tl.constexpr, X_CODES: tl.constexpr, DOT_F32: tl.constexpr,
+                   EVEN: tl.constexpr, TMA: tl.constexpr, W_CODES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program's float32 sums [BLOCK_N weight rows, BLOCK_M tokens] over its split's range of K (split
+    ``program_id(2)``, ``slices_per_split`` slices of BLOCK_K): weight rows ``first_col`` on, and with PAIRED
+    a second tile of the rows ``pair_offset`` further (else the second result is zeros). Flags as
+    ``_weight_rows_kernel``'s; with TMA ``w_desc`` boxes are [BLOCK_N, BLOCK_K]. Reads x: after a dependent
+    launch's wait."""
+    cols = first_col + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    # Row indices, not a row offset times the stride: a size of 1 arrives as a constant, not a tensor.
+    paired_ptrs = w_ptr + (cols + pair_offset).to(tl.int64)[:, None] * stride_w + ks[None, :]  # with PAIRED
+    k_begin = tl.program_id(2) * slices_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # with SILU_MUL only
+    paired_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         k_ok = (k + ks) < K  # read only where BLOCK_K does not divide K
         w_mask = col_ok[:, None] & k_ok[None, :]
         if TMA:
             # One bulk copy a slice into shared memory, rows and columns past the matrix filled with zeros:
-            # no register holds an address or a code on the way to the tensor cores.
-            w = w_desc.load([tl.program_id(0) * BLOCK_N, k])
-            if SILU_MUL:
-                # The box starts N rows further; rows past the gate's N are the up rows of other tiles,
-                # multiplied but never stored (col_ok).
-                up = w_desc.load([tl.program_id(0) * BLOCK_N + N, k])
+            # no register holds an address or a code on the way to the tensor cores. A box's rows past the
+            # program's (col_ok) may be other rows of the matrix: multiplied, never stored.
+            w = w_desc.load([first_col, k])
+            if PAIRED:
+                paired = w_desc.load([first_col + pair_offset, k])
         elif EVEN:
             w = tl.load(w_ptrs + k)
-            if SILU_MUL:
-                up = tl.load(up_ptrs + k)
+            if PAIRED:
+                paired = tl.load(paired_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
-            if SILU_MUL:
-                up = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
+            if PAIRED:
+                paired = tl.load(paired_ptrs + k, mask=w_mask, other=0.0)
         if EVEN:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _slice_products(acc, w, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
-        if SILU_MUL:
-            up_acc = _slice_products(up_acc, up, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
+        if PAIRED:
+            paired_acc = _slice_products(paired_acc, paired, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
+    return acc, paired_acc
+
+
+@triton.jit
+def gather_split_sums(acc, paired_acc, partials_ptr, arrivals_ptr, PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(last, sums, paired sums) of a program's output tile: with one split its own sums, last true; split,
+    every split leaves its partial sums and counts itself in, and the last to arrive (last true) gets the
+    sums of all of them in split order (the same sum whichever arrives last) and resets the count for the
+    next launch. The tile is (program_id(0), program_id(1)); the scratch holds [SPLIT_K, tiles, BLOCK_N,
+    BLOCK_M] float32, twice with PAIRED."""
     if SPLIT_K == 1:
-        _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                         stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
-    else:
-        # Each split leaves its partial sums and counts itself in; the last to arrive adds all of them in
-        # split order (the same sum whichever arrives last), writes the tile and resets the count for the
-        # next launch. One thread performs the scalar atomic: the barrier orders every thread's partial
-        # stores before its release; its acquire orders the loads below after the other splits' stores.
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tile_stride = tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M
-        tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
-        up_base = tile_base + SPLIT_K * tile_stride.to(tl.int64)  # the up sums after every split's gate sums
-        tl.store(tile_base + tl.program_id(2).to(tl.int64) * tile_stride, acc)
-        if SILU_MUL:
-            tl.store(up_base + tl.program_id(2).to(tl.int64) * tile_stride, up_acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            up_total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                total += tl.load(tile_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
-                if SILU_MUL:
-                    up_total += tl.load(up_base + split * tile_stride.to(tl.int64), cache_modifier=".cg")
-            _store_rows_tile(total, up_total, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr,
-                             out_ptr, stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
+        return True, acc, paired_acc
+    # One thread performs the scalar atomic: the barrier orders every thread's partial stores before its
+    # release; its acquire orders the loads below after the other splits' stores.
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tile_stride = (tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M).to(tl.int64)
+    tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
+    paired_base = tile_base + SPLIT_K * tile_stride  # the paired sums after every split's first ones
+    tl.store(tile_base + tl.program_id(2) * tile_stride, acc)
+    if PAIRED:
+        tl.store(paired_base + tl.program_id(2) * tile_stride, paired_acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    paired_total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if last:
+        tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+        for split in tl.static_range(SPLIT_K):
+            total += tl.load(tile_base + split * tile_stride, cache_modifier=".cg")
+            if PAIRED:
+                paired_total += tl.load(paired_base + split * tile_stride, cache_modifier=".cg")
+    return last, total, paired_total
 
 
 @triton.jit
@@ -341,7 +369,7 @@ def _slice_products(acc, w, x, X_CODES: tl.constexpr, DOT_F32: tl.constexpr, W_C
 
 
 @triton.jit
-def _scaled_sums(acc, weight_rows, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES: tl.constexpr,
+def scaled_sums(acc, weight_rows, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES: tl.constexpr,
                  HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr):
     """A tile's float32 sums [BLOCK_N weight rows, BLOCK_M tokens] times their weight rows' scales (with
     W_CODES) and their tokens' (with X_CODES), plus the rows' bias."""
@@ -358,14 +386,14 @@ def _scaled_sums(acc, weight_rows, col_ok, rows, row_ok, x_scale_ptr, w_scale_pt
 def _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
                      stride_out, dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      W_CODES: tl.constexpr, SILU_MUL: tl.constexpr):
-    """Scales and biases a tile's float32 sums (``_scaled_sums``), rounds them once to ``dtype`` and stores
+    """Scales and biases a tile's float32 sums (``scaled_sums``), rounds them once to ``dtype`` and stores
     them transposed into ``out``; with SILU_MUL ``acc`` holds the gate rows' sums and ``up_acc`` the up
     rows' (N further), and ``silu(gate) * up`` is stored, rounded as the unfused ops round it."""
-    result = _scaled_sums(acc, cols, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES, HAS_BIAS,
+    result = scaled_sums(acc, cols, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES, HAS_BIAS,
                           W_CODES)
     up = result
     if SILU_MUL:
-        up = _scaled_sums(up_acc, cols + N, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES,
+        up = scaled_sums(up_acc, cols + N, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES,
                           HAS_BIAS, W_CODES)
     out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + cols[:, None]
     mask = row_ok[None, :] & col_ok[:, None]
@@ -455,7 +483,8 @@ def _cuda_has_tma(device_index: int) -> bool:
 #: Split-K scratch per device: float32 partial sums and int32 arrival counts (zero between launches:
 #: the last split of each tile resets its count). Fixed sizes, allocated on a device's first split launch
 #: and never freed or moved, so captured graphs keep valid addresses; ``rows_tile``'s splits need at most
-#: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64. One scratch for the device: split
+#: ``SPLIT_PROGRAMS_PER_SM * multiprocessors`` tiles of 64 x 64, twice the sums for a paired product (SiLU * up,
+#: the QKV halves of ``attention/triton_qkv_rows.py``). One scratch for the device: split
 #: launches must not run concurrently on it (graphrt runs its forwards and graph replays on one stream,
 #: so each launch ends before the next; one launched as a programmatic dependent starts early but touches
 #: the scratch only after its wait, when the launch before it has ended).
@@ -464,7 +493,7 @@ ARRIVAL_CAPACITY = 1 << 13
 _split_scratch: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials [PARTIAL_CAPACITY] float32, arrivals [ARRIVAL_CAPACITY] int32) of ``device``."""
     key = (device.type, device.index if device.index is not None or device.type != "cuda"
            else torch.cuda.current_device())
@@ -502,7 +531,9 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     if width == 0:  # an empty sum: the bias alone (then SiLU * up of it)
         sums = bias.to(out_dtype).expand(rows, weight.shape[0]) if bias is not None else \
             torch.zeros((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
-        return out.copy_(_silu_mul_torch(sums) if silu_mul else sums)
+        if silu_mul:
+            sums = torch.nn.functional.silu(sums[:, :out_features]) * sums[:, out_features:]
+        return out.copy_(sums)
     tile = tile or rows_tile(rows, out_features, width, multiprocessors(x.device), tma_available(x.device),
                              weight.element_size())
     even = out_features % tile.block_n == 0 and width % tile.block_k == 0
@@ -519,7 +550,7 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
     tma = reads_through_tma(weight, tile)
     if split_k > 1:
         sums = (2 if silu_mul else 1) * split_k * col_tiles * row_tiles * tile.block_n * tile.block_m
-        partials, arrivals = _split_workspace(x.device, sums, col_tiles * row_tiles)
+        partials, arrivals = split_workspace(x.device, sums, col_tiles * row_tiles)
     _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
         x, scales if x_scale is None else x_scale, weight,
         TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, scales,
@@ -540,17 +571,11 @@ def silu_mul_splits_k(rows: int, weight: torch.Tensor) -> bool:
     return tile.split_k > 1
 
 
-def _silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of [M, 2 * I] (gate columns, then up), rounded as the unfused ops round it."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
 def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
     """Whether the rows kernel reads ``weight``'s slices through TMA: ``tile.tma``, where the device has it
     (``tma_available``), for a weight TMA can address (rows whose byte stride is a multiple of 16,
     starting 16-byte aligned); else with the threads' loads."""
-    return (tile.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
+    return (tile.tma and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
             and tma_available(weight.device))
 
 

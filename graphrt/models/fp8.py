@@ -230,11 +230,27 @@ class Fp8Linear(nn.Module):
         a forward on the rows kernel (CUDA, row scales, up to ``fp8_matmul.TRITON_MAX_ROWS`` tokens)."""
         return self._cuda_path(x.shape[0], x.device) is not None and x.shape[0] <= _fp8_matmul().TRITON_MAX_ROWS
 
+    def rows_kernel_operands(self, x):
+        """How a forward of ``x`` would run on the rows kernel, for a kernel that fuses more around the same
+        product (``attention/triton_qkv_rows.py``): (activations, as ``QuantizedRows`` where it takes FP8
+        activations, quantised here unless the producer did; codes; row scales; bias; the tile), or None
+        where it would not (CPU, block scales, more than ``fp8_matmul.TRITON_MAX_ROWS`` tokens)."""
+        path = self._cuda_path(x.shape[0], x.device)
+        if path is None or x.shape[0] > _fp8_matmul().TRITON_MAX_ROWS:
+            return None
+        fp8_activations, tile = path
+        kernels = _fp8_matmul()
+        if fp8_activations and isinstance(x, torch.Tensor):
+            x = kernels.QuantizedRows(*kernels.quantize_rows(x), x.dtype)
+        elif not fp8_activations and not isinstance(x, torch.Tensor):
+            raise ValueError(f"this layer takes 16-bit activations for {x.shape[0]} tokens, not quantized rows")
+        return x, self.weight, self.weight_scale, self.bias, tile
+
     def forward(self, x, silu_mul: bool = False):
         """x: [T, in] -> [T, out] in x's dtype. x may be ``fp8_matmul.QuantizedRows`` (codes and per-token
         scales from the kernel that produced it) where ``takes_quantized_input`` says so. ``silu_mul``
         (where ``fuses_silu_mul``): the weight is gate rows then up rows, and the result [T, out / 2] is
-        ``silu(gate) * up``."""
+        ``silu(gate) * up``, on the tile (and kernel) the whole product would take."""
         path = self._cuda_path(x.shape[0], x.device)
         if silu_mul and not self.fuses_silu_mul(x):
             raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up "

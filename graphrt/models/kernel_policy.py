@@ -59,6 +59,8 @@ class GemvThresholds:
     #: product's epilogue where its tile does not split K (``FewRowsLinear.fuses_silu_mul``).
     rows_kernel_max_tokens: int = 0
     rows_kernel_min_layer_bytes: int = 0
+    #: The model dtypes the rows-kernel bound was measured in (float32 products run without tensor cores).
+    rows_kernel_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
 #: The bounds in use. Plainly launched, the GEMV layers won at SmolLM2-135M's and Llama-3.2-1B's layer
@@ -72,8 +74,8 @@ GEMV_THRESHOLDS = GemvThresholds(
     small_layer_max_tokens=4,
     max_layer_bytes=256 << 20,
     max_dependent_layer_bytes=512 << 20,
-    # The rows kernel matched or beat cuBLAS on each Llama-3.2-1B and Llama-3-8B matrix at 5-16 rows but
-    # the 1B's QKV, and made their decode steps at 8 rows faster; smaller layers are unmeasured.
+    # The rows kernel made the 1B's and the 8B's decode steps of a few rows faster; smaller layers are
+    # unmeasured and keep cuBLAS.
     rows_kernel_max_tokens=16,
     rows_kernel_min_layer_bytes=64 << 20,
     measured_on="NVIDIA H200 (sm_90), bfloat16, one token through one decoder layer, and decode steps of 1-16 "
@@ -175,8 +177,8 @@ class KernelPolicy:
         small = quantization is None and layer_weight_bytes(config, weight_dtype) <= thresholds.small_layer_bytes
         gemv_tokens = max(thresholds.max_tokens, thresholds.small_layer_max_tokens if small else 0)
         rows_tokens = thresholds.rows_max_tokens if gemv and quantization is None else 0
-        rows_kernel = fused and quantization is None and (layer_weight_bytes(config, weight_dtype)
-                                                          >= thresholds.rows_kernel_min_layer_bytes)
+        rows_kernel = (fused and quantization is None and dtype in thresholds.rows_kernel_dtypes
+                       and layer_weight_bytes(config, weight_dtype) >= thresholds.rows_kernel_min_layer_bytes)
         return cls(fused=fused, dependent_launch=dependent_launch,
                    rows_kernel_max_tokens=thresholds.rows_kernel_max_tokens if rows_kernel else 0,
                    gemv_max_tokens=gemv_tokens if gemv else 0, quantization=quantization,

@@ -72,6 +72,12 @@ class FewRowsLinear(nn.Linear):
 
         return not silu_mul_splits_k(x.shape[0], self.weight)
 
+    def rows_kernel_operands(self, x: torch.Tensor):
+        """How a forward of ``x`` would run on the rows kernel, for a kernel that fuses more around the same
+        product (``attention/triton_qkv_rows.py``): (activations, weight, None, bias, None: the default
+        tile), or None where it would not."""
+        return (x, self.weight, None, self.bias, None) if self.takes_rows_kernel(x) else None
+
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype. ``silu_mul`` (where ``fuses_silu_mul``): the weight is gate
         rows then up rows, and the result [T, out / 2] is ``silu(gate) * up``."""

@@ -48,6 +48,11 @@ def _calibrated_scale(maximum: float, layer: int, kind: str) -> float:
     return KV_SCALE_HEADROOM * maximum / FP8_MAX if maximum > 0 else 1.0
 
 
+#: Whether a QKV product on the rows kernel rotates q and k and writes the KV cache in its own epilogue
+#: (``attention/triton_qkv_rows.py``) rather than leaving them to the rotary kernel: off until its step
+#: A/B on a GPU says otherwise (``profiles/run_h200.sh rows-rope-ab``); read at each forward.
+ROWS_ROPE_EPILOGUE = False
+
 #: Whether a gate/up product on the rows kernel writes SiLU * up itself where the down projection takes
 #: 16-bit input, saving the activation's launch (an A/B switch for ``profiles/step_ab.py``, read at each
 #: forward).
@@ -132,6 +137,10 @@ class LlamaAttention(nn.Module):
             from graphrt.attention import triton_qkv_rows
 
             self._project_rows_rope_and_write = triton_qkv_rows.project_rope_and_write_kv_cache_rows
+        if policy.fused and (policy.rows_kernel_max_tokens or policy.quantization is not None):
+            from graphrt.attention import triton_qkv_rows
+
+            self._project_on_rows_kernel = triton_qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
                 input_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -154,6 +163,12 @@ class LlamaAttention(nn.Module):
                 norm_weight=input_norm.weight, eps=input_norm.eps, dependent_launch=launch,
                 weight_scale=_row_scales(self.qkv_proj), **scales,
             )
+        elif self.policy.fused and (operands := self._rows_kernel_operands(hidden)) is not None:
+            # The product on the rows kernel, q and k rotated and k and v stored in its epilogue.
+            x, weight, weight_scale, bias, tile = operands
+            qkv = self._project_on_rows_kernel(
+                x, weight, weight_scale, bias, positions, self.rotary.cos, self.rotary.sin, kv_cache,
+                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim, tile=tile, **scales)
         elif self.policy.fused:
             qkv = self.qkv_proj(hidden)
             # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
@@ -168,6 +183,12 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.attn.forward(q, k, v, kv_cache, attn_metadata, kv_cache_written=True, dependent_launch=launch,
                                  **scales)
+
+    def _rows_kernel_operands(self, hidden):
+        """The QKV product's rows-kernel operands where its epilogue rotates and writes the cache
+        (``ROWS_ROPE_EPILOGUE``, a QKV layer that would run this forward on the rows kernel), else None."""
+        operands = getattr(self.qkv_proj, "rows_kernel_operands", None)
+        return operands(hidden) if ROWS_ROPE_EPILOGUE and operands is not None else None
 
     def _record_kv_amax(self, positions, hidden, input_norm: RMSNorm | None) -> None:
         """Folds this forward's largest |k| and |v| into ``kv_amax``, k rotated as the cache stores it
