@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from graphrt.attention.triton_rope_cache_write import check_rope_operands, rotate_halves, store_cache
+from graphrt.attention.triton_rope_cache_write import (check_qkv_projection, check_rope_operands, rotate_halves,
+                                                        store_cache)
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels import fp8_matmul, gemv, gemv_rows
 from graphrt.kernels.dependent_launch import launch_options
@@ -189,12 +190,7 @@ def project_rope_and_write_kv_cache_rows(
         raise ValueError("the few-row kernels take 16-bit or float32 weights in x's dtype, not FP8 codes")
     num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight)
     gemv_rows.check_rows(num_tokens)
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    if weight.shape[0] != width:
-        raise ValueError(f"weight {tuple(weight.shape)} is not a fused QKV weight of {width} rows "
-                         f"({num_heads} + 2 x {num_kv_heads} heads of {head_size})")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
+    width = check_qkv_projection(weight, positions, num_tokens, num_heads, num_kv_heads, head_size)
     write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
     out = gemv.output_for(x, out, width)
     if num_tokens == 0:
@@ -329,10 +325,9 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     if rows_in.dim() != 2 or rows_in.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got {tuple(rows_in.shape)}")
     num_tokens, in_features = rows_in.shape
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    if weight.dim() != 2 or weight.shape != (width, in_features) or not weight.is_contiguous():
-        raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous fused QKV weight of {width} rows "
-                         f"({num_heads} + 2 x {num_kv_heads} heads of {head_size}) by {in_features}")
+    width = check_qkv_projection(weight, positions, num_tokens, num_heads, num_kv_heads, head_size)
+    if weight.shape[1] != in_features or not weight.is_contiguous():
+        raise ValueError(f"weight {tuple(weight.shape)} must be contiguous with x's {in_features} columns")
     codes_weight = weight.dtype == fp8_matmul.FP8_DTYPE
     if codes_weight != (weight_scale is not None) or (quantized and not codes_weight):
         raise ValueError("FP8 weight codes take their row scales (weight_scale), 16-bit weights none; FP8 "
@@ -345,8 +340,6 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
         raise ValueError(f"bias must be a contiguous [{width}] tensor, got {tuple(bias.shape)}")
     if num_tokens > fp8_matmul.TRITON_MAX_ROWS:
         raise ValueError(f"{num_tokens} tokens exceed the rows kernel's {fp8_matmul.TRITON_MAX_ROWS}")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
     write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
     out = torch.empty((num_tokens, width), dtype=dtype, device=rows_in.device)
     if num_tokens == 0:

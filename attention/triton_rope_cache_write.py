@@ -232,12 +232,7 @@ def project_rope_and_write_kv_cache(
     depends on shapes only: safe inside a CUDA graph. ``dependent_launch``: as ``linear_gemv``.
     """
     num_tokens, in_features = gemv.check_operands(x, weight, bias, norm_weight, weight_scale=weight_scale)
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    if weight.shape[0] != width:
-        raise ValueError(f"weight {tuple(weight.shape)} is not a fused QKV weight of {width} rows "
-                         f"({num_heads} + 2 x {num_kv_heads} heads of {head_size})")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
+    width = check_qkv_projection(weight, positions, num_tokens, num_heads, num_kv_heads, head_size)
     write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
     out = gemv.output_for(x, out, width)
     if num_tokens == 0:
@@ -268,6 +263,19 @@ def qkv_tile(in_features: int, width: int, head_size: int, element_size: int) ->
         block_n //= 2
     return gemv.TileConfig(block_n=block_n, block_k=base.block_k, num_warps=base.num_warps,
                            thread_sum=base.thread_sum)
+
+
+def check_qkv_projection(weight: torch.Tensor, positions: torch.Tensor, num_tokens: int, num_heads: int,
+                         num_kv_heads: int, head_size: int) -> int:
+    """Checks that ``weight`` has the fused QKV rows of the heads and ``positions`` one position a token;
+    returns the rows, (H + 2 * KVH) * D."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    if weight.dim() != 2 or weight.shape[0] != width:
+        raise ValueError(f"weight {tuple(weight.shape)} is not a fused QKV weight of {width} rows "
+                         f"({num_heads} + 2 x {num_kv_heads} heads of {head_size})")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} must hold one position per row of x ({num_tokens})")
+    return width
 
 
 def check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens: int, num_kv_heads: int,

@@ -64,13 +64,18 @@ def check_w8a16(rows, out_features, in_features, dtype, bias, tile=None):
     codes, scale = quantize_per_channel(weight)
     bias_vector = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
     got = fp8_matmul.w8a16_matmul(x, codes, scale, bias_vector, tile=tile)
-    assert got.dtype == dtype and got.shape == (rows, out_features) and not got.isnan().any()
-    real_weight = codes.double() * scale.double()[:, None]
+    assert_one_rounding_of_exact_products(got, x, codes.double() * scale.double()[:, None], bias_vector)
+
+
+def assert_one_rounding_of_exact_products(got, x, real_weight, bias_vector):
+    """``got`` [rows, out] is ``x @ real_weight^T + bias`` (float64 of the exact operands) rounded once to
+    x's dtype (half a subnormal step below its smallest normal), after float32 sums of the exact products
+    in any order."""
+    dtype = x.dtype
+    assert got.dtype == dtype and got.shape == (x.shape[0], real_weight.shape[0]) and not got.isnan().any()
     expected = x.double() @ real_weight.T + (0 if bias_vector is None else bias_vector.double())
     terms = x.double().abs() @ real_weight.abs().T
     unit = 2**-8 if dtype == torch.bfloat16 else 2**-11 if dtype == torch.float16 else 2**-20
-    # One rounding of the result to x's dtype (half a subnormal step below its smallest normal), float32
-    # sums of the exact products in another order.
     subnormal = unit * torch.finfo(dtype).smallest_normal
     assert ((got.double() - expected).abs() <= unit * expected.abs() + 2**-20 * terms + subnormal).all()
 
@@ -96,19 +101,14 @@ def test_w8a16_matmul_against_float64(rows, out_features, in_features, tile, bia
 
 
 def check_rows_matmul(rows, out_features, in_features, dtype, bias, tile=None):
-    """16-bit weights on the rows kernel against the float64 product (poisoned output: every element written)."""
+    """16-bit weights on the rows kernel against the float64 product (no NaN left: every element written)."""
     x = _rows(rows, in_features, dtype, seed=3 * rows + in_features)
     generator = torch.Generator().manual_seed(out_features * in_features)
     weight = (torch.randn(out_features, in_features, generator=generator)
               * torch.logspace(-2, 0, out_features)[:, None]).to(dtype).to(DEVICE)
     bias_vector = torch.randn(out_features, generator=generator).to(dtype).to(DEVICE) if bias else None
     got = fp8_matmul.rows_matmul(x, weight, bias_vector, tile=tile)
-    assert got.dtype == dtype and got.shape == (rows, out_features) and not got.isnan().any()
-    expected = x.double() @ weight.double().T + (0 if bias_vector is None else bias_vector.double())
-    terms = x.double().abs() @ weight.double().abs().T
-    unit = 2**-8 if dtype == torch.bfloat16 else 2**-11 if dtype == torch.float16 else 2**-20
-    subnormal = unit * torch.finfo(dtype).smallest_normal
-    assert ((got.double() - expected).abs() <= unit * expected.abs() + 2**-20 * terms + subnormal).all()
+    assert_one_rounding_of_exact_products(got, x, weight.double(), bias_vector)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -51,6 +51,20 @@ def _randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
+def _rope_inputs(num_tokens: int, head_size: int, kv_size: int, cache_dtype, seed: int):
+    """(rotary tables, positions, slots, a poisoned cache) for ``num_tokens``: random positions, distinct
+    slots past the first block with every third token a padding row (-1: rotated, never stored)."""
+    rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    num_blocks = num_tokens // BLOCK_SIZE + 3
+    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen)[:num_tokens] + BLOCK_SIZE
+    slots[1::3] = -1
+    poison = float("nan") if cache_dtype != FP8 else 448.0  # e4m3 has no inf; NaN bits are 0x7f
+    cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
+    return rotary, positions, slots.to(DEVICE), cache
+
+
 def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias=False, norm=True,
           cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False):
     """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one."""
@@ -64,17 +78,8 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
         weight, weight_scale = quantize_per_channel(weight)
     qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
     norm_weight = _randn(hidden, dtype=dtype, seed=seed + 3) if norm else None
-    rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
-    num_blocks = num_tokens // BLOCK_SIZE + 3
-    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen)[:num_tokens] + BLOCK_SIZE
-    slots[1::3] = -1  # CUDA-graph padding rows: rotated, never stored
-    slots = slots.to(DEVICE)
-    poison = float("nan") if cache_dtype != FP8 else 448.0  # e4m3 has no inf; NaN bits are 0x7f
-    cache = None
-    if with_cache:
-        cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
+    rotary, positions, slots, cache = _rope_inputs(num_tokens, head_size, kv_size, cache_dtype, seed)
+    cache = cache if with_cache else None
     poisoned_cache = None if cache is None else cache.clone()
 
     projected = gemv.linear_gemv(x, weight, qkv_bias, norm_weight=norm_weight, eps=EPS, weight_scale=weight_scale)
@@ -302,15 +307,7 @@ def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, h
         weight, weight_scale = quantize_per_channel(weight)
     activations = x if kind != "fp8" else fp8_matmul.QuantizedRows(*fp8_matmul.quantize_rows(x), dtype)
     qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
-    rotary = RotaryEmbedding(head_size, 4096, 10000.0, None, device=DEVICE)
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
-    num_blocks = num_tokens // BLOCK_SIZE + 3
-    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=gen)[:num_tokens] + BLOCK_SIZE
-    slots[1::3] = -1  # CUDA-graph padding rows: rotated, never stored
-    slots = slots.to(DEVICE)
-    poison = float("nan") if cache_dtype != FP8 else 448.0
-    cache = torch.full((2, num_blocks, BLOCK_SIZE * kv_size), poison, device=DEVICE).to(cache_dtype)
+    rotary, positions, slots, cache = _rope_inputs(num_tokens, head_size, kv_size, cache_dtype, seed)
     want_cache = cache.clone()
 
     plain_tile = dataclasses.replace(tile, block_n=qkv_rows.half_block(head_size))
@@ -357,8 +354,10 @@ def test_qkv_on_the_rows_kernel_refuses_bad_operands():
     x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.randn(4 * 64, 64, device=DEVICE, dtype=torch.bfloat16)
     project = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
-    with pytest.raises(ValueError, match="not a contiguous fused QKV weight"):
+    with pytest.raises(ValueError, match="not a fused QKV weight"):
         project(x, weight[:200], None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="contiguous with x's 64 columns"):
+        project(x, weight[:, :48], None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
     with pytest.raises(ValueError, match="take their row scales"):
         project(x, weight, torch.ones(256, device=DEVICE), None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
     with pytest.raises(ValueError, match="must be x's dtype"):
