@@ -322,8 +322,14 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     quantized = isinstance(x, fp8_matmul.QuantizedRows)
     rows_in = x.codes if quantized else x
     dtype = x.dtype
-    if rows_in.dim() != 2 or rows_in.stride(-1) != 1:
-        raise ValueError(f"x must be [M, K] with contiguous columns, got {tuple(rows_in.shape)}")
+    if rows_in.dim() != 2 or rows_in.stride(-1) != 1 or rows_in.shape[1] == 0:
+        raise ValueError(f"x must be [M, K] with K > 0 and contiguous columns, got {tuple(rows_in.shape)}")
+    if quantized and (rows_in.dtype != fp8_matmul.FP8_DTYPE or x.scales.shape != (rows_in.shape[0],)
+                      or x.scales.dtype != torch.float32):
+        raise ValueError(f"quantized rows must be float8_e4m3fn codes [M, K] with float32 scales [M], got "
+                         f"{rows_in.dtype} {tuple(rows_in.shape)} and {x.scales.dtype} {tuple(x.scales.shape)}")
+    if not quantized and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"activations must be 16-bit or float32 (FP8 ones as QuantizedRows), got {dtype}")
     num_tokens, in_features = rows_in.shape
     width = check_qkv_projection(weight, positions, num_tokens, num_heads, num_kv_heads, head_size)
     if weight.shape[1] != in_features or not weight.is_contiguous():

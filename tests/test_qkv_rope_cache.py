@@ -368,6 +368,14 @@ def test_qkv_on_the_rows_kernel_refuses_bad_operands():
                 None, None, 2, 1, 64)
     with pytest.raises(ValueError, match="one position per row"):
         project(x, weight, None, None, positions[:2], rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="K > 0"):
+        project(x[:, :0], weight[:, :0], None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    codes, scale = quantize_per_channel(weight.float())
+    with pytest.raises(ValueError, match="as QuantizedRows"):  # FP8 activations must come with their scales
+        project(x.to(FP8), codes, scale, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="float32 scales"):
+        bad = fp8_matmul.QuantizedRows(x.to(FP8), torch.ones(2, device=DEVICE), torch.bfloat16)
+        project(bad, codes, scale, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
 
 
 def test_qkv_on_the_rows_kernel_compiles_for_sm90():
@@ -377,7 +385,8 @@ def test_qkv_on_the_rows_kernel_compiles_for_sm90():
 
     cases = []
     for kind, head_size, tma, split_k, cache in [("w16", 64, True, 4, "bf16"), ("w8a16", 128, True, 2, "fp8e4nv"),
-                                                  ("fp8", 128, True, 1, "bf16"), ("w16", 80, False, 1, "bf16")]:
+                                                  ("fp8", 128, True, 1, "bf16"), ("w16", 80, False, 1, "bf16"),
+                                                  ("fp8", 64, True, 4, "bf16"), ("w16", 80, True, 1, "bf16")]:
         weight = "bf16" if kind == "w16" else "fp8e4nv"
         block_n, block_k = qkv_rows.half_block(head_size), 128 if kind == "w16" else 256
         pointers = dict(x_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", x_scale_ptr="*fp32", w_ptr=f"*{weight}",

@@ -233,18 +233,19 @@ class Fp8Linear(nn.Module):
     def rows_kernel_operands(self, x):
         """How a forward of ``x`` would run on the rows kernel, for a kernel that fuses more around the same
         product (``attention/triton_qkv_rows.py``): (activations, as ``QuantizedRows`` where it takes FP8
-        activations, quantised here unless the producer did; codes; row scales; bias; the tile), or None
-        where it would not (CPU, block scales, more than ``fp8_matmul.TRITON_MAX_ROWS`` tokens)."""
+        activations, quantised here unless the producer did; codes; row scales; bias; None: the fusing
+        kernel tiles its own launch), or None where it would not (CPU, block scales, more than
+        ``fp8_matmul.TRITON_MAX_ROWS`` tokens). FP8 or 16-bit activations as the whole product would take them."""
         path = self._cuda_path(x.shape[0], x.device)
         if path is None or x.shape[0] > _fp8_matmul().TRITON_MAX_ROWS:
             return None
-        fp8_activations, tile = path
+        fp8_activations, _ = path
         kernels = _fp8_matmul()
         if fp8_activations and isinstance(x, torch.Tensor):
             x = kernels.QuantizedRows(*kernels.quantize_rows(x), x.dtype)
         elif not fp8_activations and not isinstance(x, torch.Tensor):
             raise ValueError(f"this layer takes 16-bit activations for {x.shape[0]} tokens, not quantized rows")
-        return x, self.weight, self.weight_scale, self.bias, tile
+        return x, self.weight, self.weight_scale, self.bias, None
 
     def forward(self, x, silu_mul: bool = False):
         """x: [T, in] -> [T, out] in x's dtype. x may be ``fp8_matmul.QuantizedRows`` (codes and per-token
