@@ -22,11 +22,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphrt.attention.triton_rope_cache_write import (check_qkv_projection, check_rope_operands, rotate_halves,
                                                         store_cache)
-from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels import fp8_matmul, gemv, gemv_rows
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.rounding import round_to
@@ -324,10 +322,8 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     dtype = x.dtype
     if rows_in.dim() != 2 or rows_in.stride(-1) != 1 or rows_in.shape[1] == 0:
         raise ValueError(f"x must be [M, K] with K > 0 and contiguous columns, got {tuple(rows_in.shape)}")
-    if quantized and (rows_in.dtype != fp8_matmul.FP8_DTYPE or x.scales.shape != (rows_in.shape[0],)
-                      or x.scales.dtype != torch.float32):
-        raise ValueError(f"quantized rows must be float8_e4m3fn codes [M, K] with float32 scales [M], got "
-                         f"{rows_in.dtype} {tuple(rows_in.shape)} and {x.scales.dtype} {tuple(x.scales.shape)}")
+    if quantized:
+        fp8_matmul.check_quantized_rows(x)
     if not quantized and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"activations must be 16-bit or float32 (FP8 ones as QuantizedRows), got {dtype}")
     num_tokens, in_features = rows_in.shape
@@ -342,8 +338,7 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
         raise ValueError(f"16-bit weights must be x's dtype ({dtype}), got {weight.dtype}")
     if weight_scale is not None and (weight_scale.shape != (width,) or weight_scale.dtype != torch.float32):
         raise ValueError(f"weight_scale must be float32 [{width}], got {tuple(weight_scale.shape)} {weight_scale.dtype}")
-    if bias is not None and (bias.shape != (width,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous [{width}] tensor, got {tuple(bias.shape)}")
+    fp8_matmul.check_bias(weight, bias)
     if num_tokens > fp8_matmul.TRITON_MAX_ROWS:
         raise ValueError(f"{num_tokens} tokens exceed the rows kernel's {fp8_matmul.TRITON_MAX_ROWS}")
     write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
@@ -358,27 +353,18 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
                                         fp8_matmul.tma_available(rows_in.device), weight.element_size())
     tile = dataclasses.replace(tile, block_n=block_n)
     row_tiles = triton.cdiv(num_tokens, tile.block_m)
-    slices = triton.cdiv(in_features, tile.block_k)
-    slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
-    split_k = triton.cdiv(slices, slices_per_split)
-    partials = arrivals = out  # not touched without a split
-    if split_k > 1:
-        partials, arrivals = fp8_matmul.split_workspace(rows_in.device, 2 * split_k * programs * row_tiles * block_n
-                                                        * tile.block_m, programs * row_tiles)
-    tma = fp8_matmul.reads_through_tma(weight, tile)
-    scales = weight if weight_scale is None else weight_scale  # a placeholder pointer for 16-bit weights
-    dot_f32 = dtype == torch.float32 or (not codes_weight and dtype == torch.bfloat16 and triton_interpreter_on())
-    _weight_rows_qkv_rope_cache_kernel[(programs, row_tiles, split_k)](
-        rows_in, x.scales if quantized else scales, weight,
-        TensorDescriptor.from_tensor(weight, [block_n, tile.block_k]) if tma else weight, scales,
+    launch = fp8_matmul.rows_launch(weight, weight_scale, tile, out, programs, row_tiles, paired=True)
+    _weight_rows_qkv_rope_cache_kernel[(programs, row_tiles, launch.split_k)](
+        rows_in, x.scales if quantized else launch.w_scales, weight, launch.w_desc, launch.w_scales,
         weight if bias is None else bias, out, positions, cos, sin, kv_cache if write else out,
-        slot_mapping if write else positions, partials, arrivals, num_tokens, in_features, rows_in.stride(0),
-        weight.stride(0), out.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0, slices_per_split,
-        1.0 / float(k_scale), 1.0 / float(v_scale),
+        slot_mapping if write else positions, launch.partials, launch.arrivals, num_tokens, in_features,
+        rows_in.stride(0), weight.stride(0), out.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0,
+        launch.slices_per_split, 1.0 / float(k_scale), 1.0 / float(v_scale),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HAS_BIAS=bias is not None,
         WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, X_CODES=quantized,
-        DOT_F32=dot_f32, EVEN=(head_size // 2) % block_n == 0 and in_features % tile.block_k == 0, TMA=tma,
-        W_CODES=codes_weight, SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
+        DOT_F32=launch.dot_f32, EVEN=(head_size // 2) % block_n == 0 and in_features % tile.block_k == 0,
+        TMA=launch.tma, W_CODES=codes_weight, SPLIT_K=launch.split_k, BLOCK_M=tile.block_m, BLOCK_N=block_n,
+        BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -51,6 +51,19 @@ def _randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
+def _qkv_operands(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed, bias, fp8_weight):
+    """(width, kv_size, x [T, hidden], the fused QKV weight, its row scales or None, its bias or None): fresh
+    random values; ``fp8_weight``: the weight as FP8 codes with a scale per row."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
+    weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
+    weight_scale = None
+    if fp8_weight:
+        weight, weight_scale = quantize_per_channel(weight)
+    qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
+    return width, num_kv_heads * head_size, x, weight, weight_scale, qkv_bias
+
+
 def _rope_inputs(num_tokens: int, head_size: int, kv_size: int, cache_dtype, seed: int):
     """(rotary tables, positions, slots, a poisoned cache) for ``num_tokens``: random positions, distinct
     slots past the first block with every third token a padding row (-1: rotated, never stored)."""
@@ -69,14 +82,9 @@ def check(num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, *, bias
           cache_dtype=None, with_cache=True, scales=(1.0, 1.0), seed=0, fp8_weight=False, rows_kernel=False):
     """``rows_kernel``: check the few-row kernel (``triton_qkv_rows``) instead of the one-token one."""
     cache_dtype = cache_dtype or dtype
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    kv_size = num_kv_heads * head_size
-    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
-    weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
-    weight_scale = None
-    if fp8_weight:  # FP8 codes with a scale per row, against linear_gemv's product of the same (test_gemv checks it)
-        weight, weight_scale = quantize_per_channel(weight)
-    qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
+    width, kv_size, x, weight, weight_scale, qkv_bias = _qkv_operands(
+        num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed, bias,
+        fp8_weight)  # FP8: against linear_gemv's product of the same codes (test_gemv checks it)
     norm_weight = _randn(hidden, dtype=dtype, seed=seed + 3) if norm else None
     rotary, positions, slots, cache = _rope_inputs(num_tokens, head_size, kv_size, cache_dtype, seed)
     cache = cache if with_cache else None
@@ -298,15 +306,9 @@ def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, h
     the fused kernel owns written). ``kind``: "w16" (16-bit weights), "w8a16" (FP8 codes, 16-bit
     activations) or "fp8" (FP8 codes, activations quantised per token)."""
     cache_dtype = cache_dtype or dtype
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    kv_size = num_kv_heads * head_size
-    x = _randn(num_tokens, hidden, dtype=dtype, seed=seed, scale=2.0)
-    weight = _randn(width, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)
-    weight_scale = None
-    if kind != "w16":
-        weight, weight_scale = quantize_per_channel(weight)
+    width, kv_size, x, weight, weight_scale, qkv_bias = _qkv_operands(
+        num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed, bias, kind != "w16")
     activations = x if kind != "fp8" else fp8_matmul.QuantizedRows(*fp8_matmul.quantize_rows(x), dtype)
-    qkv_bias = _randn(width, dtype=dtype, seed=seed + 2) if bias else None
     rotary, positions, slots, cache = _rope_inputs(num_tokens, head_size, kv_size, cache_dtype, seed)
     want_cache = cache.clone()
 

@@ -48,7 +48,7 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
 from graphrt.kernels.gemv import store_linear_output
-from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
+from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -193,14 +193,12 @@ def scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scal
     by the product's own epilogue.
     """
     quantized = isinstance(x, QuantizedRows)
-    if quantized and (x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],)
-                      or x.scales.dtype != torch.float32):
-        raise ValueError(f"quantized rows must be float8_e4m3fn codes [M, K] with float32 scales [M], got "
-                         f"{x.codes.dtype} {tuple(x.codes.shape)} and {x.scales.dtype} {tuple(x.scales.shape)}")
+    if quantized:
+        check_quantized_rows(x)
     _check_weight(x.codes if quantized else x, weight, weight_scale)
     if not supports_shape(*weight.shape):
         raise ValueError(f"FP8 tensor-core products need widths that are multiples of 16, got {tuple(weight.shape)}")
-    _check_bias(weight, bias)
+    check_bias(weight, bias)
     if silu_mul and x.shape[0] > TRITON_MAX_ROWS:
         raise ValueError(f"silu_mul takes at most {TRITON_MAX_ROWS} rows (the Triton kernel's), got {x.shape[0]}")
     codes, scales = (x.codes, x.scales) if quantized else quantize_rows(x)
@@ -536,31 +534,57 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         return out.copy_(sums)
     tile = tile or rows_tile(rows, out_features, width, multiprocessors(x.device), tma_available(x.device),
                              weight.element_size())
-    even = out_features % tile.block_n == 0 and width % tile.block_k == 0
-    # Triton's CPU interpreter multiplies bfloat16 operands as raw bits: float32 there (each product of
-    # 16-bit values is exact in float32, as on the tensor cores).
-    dot_f32 = out_dtype == torch.float32 or (weight_scale is None and x.dtype == torch.bfloat16
-                                             and triton_interpreter_on())
-    scales = weight if weight_scale is None else weight_scale  # a placeholder pointer for 16-bit weights
     col_tiles, row_tiles = triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m)
-    slices = triton.cdiv(width, tile.block_k)
-    slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
-    split_k = triton.cdiv(slices, slices_per_split)  # every split has at least one slice
-    partials = arrivals = out  # not touched without a split
-    tma = reads_through_tma(weight, tile)
-    if split_k > 1:
-        sums = (2 if silu_mul else 1) * split_k * col_tiles * row_tiles * tile.block_n * tile.block_m
-        partials, arrivals = split_workspace(x.device, sums, col_tiles * row_tiles)
-    _weight_rows_kernel[(col_tiles, row_tiles, split_k)](
-        x, scales if x_scale is None else x_scale, weight,
-        TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight, scales,
+    launch = rows_launch(weight, weight_scale, tile, out, col_tiles, row_tiles, paired=silu_mul)
+    _weight_rows_kernel[(col_tiles, row_tiles, launch.split_k)](
+        x, launch.w_scales if x_scale is None else x_scale, weight, launch.w_desc, launch.w_scales,
         weight if bias is None else bias, out,
-        partials, arrivals, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
-        slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=dot_f32, EVEN=even,
-        SPLIT_K=split_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        TMA=tma, W_CODES=weight_scale is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
+        launch.partials, launch.arrivals, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
+        launch.slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=launch.dot_f32,
+        EVEN=out_features % tile.block_n == 0 and width % tile.block_k == 0, SPLIT_K=launch.split_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, TMA=launch.tma,
+        W_CODES=weight_scale is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
+
+
+class RowsLaunch(NamedTuple):
+    """The host side of one launch of a kernel built on the rows kernel's pieces (``rows_tile_sums``,
+    ``gather_split_sums``): K slices a split and splits (a split has at least one slice), the split-K
+    scratch (the output as a placeholder without a split), the weight as TMA reads it (a descriptor) or
+    not, the weight scales (the weight as a placeholder for 16-bit weights), and whether products run
+    in float32."""
+
+    split_k: int
+    slices_per_split: int
+    partials: torch.Tensor
+    arrivals: torch.Tensor
+    w_desc: object
+    w_scales: torch.Tensor
+    tma: bool
+    dot_f32: bool
+
+
+def rows_launch(weight: torch.Tensor, weight_scale: torch.Tensor | None, tile: RowsTile, out: torch.Tensor,
+                col_tiles: int, row_tiles: int, paired: bool = False) -> RowsLaunch:
+    """``RowsLaunch`` of a grid of (``col_tiles``, ``row_tiles``, splits) programs of ``tile`` over ``weight``
+    [N, K] (FP8 codes with ``weight_scale``, or 16-bit) writing ``out`` (its dtype: the products'); with
+    ``paired`` each program sums two weight tiles (twice the split scratch)."""
+    slices = triton.cdiv(weight.shape[1], tile.block_k)
+    slices_per_split = triton.cdiv(slices, min(tile.split_k, slices))
+    split_k = triton.cdiv(slices, slices_per_split)
+    partials = arrivals = out  # not touched without a split
+    if split_k > 1:
+        sums = (2 if paired else 1) * split_k * col_tiles * row_tiles * tile.block_n * tile.block_m
+        partials, arrivals = split_workspace(out.device, sums, col_tiles * row_tiles)
+    tma = reads_through_tma(weight, tile)
+    # Triton's CPU interpreter multiplies bfloat16 operands as raw bits: float32 there (each product of
+    # 16-bit values is exact in float32, as on the tensor cores).
+    dot_f32 = out.dtype == torch.float32 or (weight_scale is None and out.dtype == torch.bfloat16
+                                             and triton_interpreter_on())
+    return RowsLaunch(split_k, slices_per_split, partials, arrivals,
+                      TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight,
+                      weight if weight_scale is None else weight_scale, tma, dot_f32)
 
 
 def silu_mul_splits_k(rows: int, weight: torch.Tensor) -> bool:
@@ -593,7 +617,7 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M).
     """
     _check_weight(x, weight, weight_scale)
-    _check_bias(weight, bias)
+    check_bias(weight, bias)
     return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, silu_mul)
 
 
@@ -616,11 +640,19 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the weight's {weight.shape[1]} input "
                          f"features in {weight.dtype}")
-    _check_bias(weight, bias)
+    check_bias(weight, bias)
     return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch, silu_mul)
 
 
-def _check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_quantized_rows(x: QuantizedRows) -> None:
+    """ValueError unless ``x`` holds float8_e4m3fn codes [M, K] and float32 scales [M]."""
+    if x.codes.dtype != FP8_DTYPE or x.scales.shape != (x.codes.shape[0],) or x.scales.dtype != torch.float32:
+        raise ValueError(f"quantized rows must be float8_e4m3fn codes [M, K] with float32 scales [M], got "
+                         f"{x.codes.dtype} {tuple(x.codes.shape)} and {x.scales.dtype} {tuple(x.scales.shape)}")
+
+
+def check_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError unless ``bias`` is None or a contiguous vector of ``weight``'s rows."""
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] tensor, got {tuple(bias.shape)}")
 

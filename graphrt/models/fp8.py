@@ -143,6 +143,12 @@ def _fp8_matmul():
     return fp8_matmul
 
 
+def _on_rows_kernel(path, rows: int) -> bool:
+    """Whether a forward of ``rows`` tokens whose ``Fp8Linear._cuda_path`` is ``path`` runs the Triton rows
+    kernel (CUDA kernels, at most ``fp8_matmul.TRITON_MAX_ROWS`` tokens; more go to cuBLAS)."""
+    return path is not None and rows <= _fp8_matmul().TRITON_MAX_ROWS
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ (Q * scale)^T + bias`` with Q [out, in] float8_e4m3fn and scale float32 [out] (or [out,
     ceil(in / scale_columns)]) as buffers; bias [out] in the model dtype or None.
@@ -228,7 +234,7 @@ class Fp8Linear(nn.Module):
     def fuses_silu_mul(self, x) -> bool:
         """Whether ``forward(x, silu_mul=True)`` writes ``silu(gate) * up`` in the product's own epilogue:
         a forward on the rows kernel (CUDA, row scales, up to ``fp8_matmul.TRITON_MAX_ROWS`` tokens)."""
-        return self._cuda_path(x.shape[0], x.device) is not None and x.shape[0] <= _fp8_matmul().TRITON_MAX_ROWS
+        return _on_rows_kernel(self._cuda_path(x.shape[0], x.device), x.shape[0])
 
     def rows_kernel_operands(self, x):
         """How a forward of ``x`` would run on the rows kernel, for a kernel that fuses more around the same
@@ -237,7 +243,7 @@ class Fp8Linear(nn.Module):
         kernel tiles its own launch), or None where it would not (CPU, block scales, more than
         ``fp8_matmul.TRITON_MAX_ROWS`` tokens). FP8 or 16-bit activations as the whole product would take them."""
         path = self._cuda_path(x.shape[0], x.device)
-        if path is None or x.shape[0] > _fp8_matmul().TRITON_MAX_ROWS:
+        if not _on_rows_kernel(path, x.shape[0]):
             return None
         fp8_activations, _ = path
         kernels = _fp8_matmul()
@@ -253,7 +259,7 @@ class Fp8Linear(nn.Module):
         (where ``fuses_silu_mul``): the weight is gate rows then up rows, and the result [T, out / 2] is
         ``silu(gate) * up``, on the tile (and kernel) the whole product would take."""
         path = self._cuda_path(x.shape[0], x.device)
-        if silu_mul and not self.fuses_silu_mul(x):
+        if silu_mul and not _on_rows_kernel(path, x.shape[0]):
             raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up "
                              "epilogue")
         if path is not None:
