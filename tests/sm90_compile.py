@@ -6,6 +6,10 @@ CPU suite also compiles the kernels' launch specialisations with Triton's compil
 its wheel ships. That must happen in a process where Triton was imported without
 ``TRITON_INTERPRET`` (Triton's own ``tl.sum`` & co. are decorated at import), hence a subprocess:
 ``compile_for_sm90(cases)`` runs this file, which reads the cases as JSON on stdin.
+
+Triton versions differ in what their front end accepts (the GPU machine's Triton is older than the one
+the CPU suite installs), so ``GRAPHRT_SM90_TRITON`` may name a folder holding another Triton package
+(``pip install --no-deps --target DIR triton==X``): the compile process then imports that one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
     ``{"error": text}``.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    other_triton = os.environ.get("GRAPHRT_SM90_TRITON")
+    if other_triton:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [other_triton, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
                           env=env, timeout=600)
     if done.returncode:

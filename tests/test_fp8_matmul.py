@@ -441,6 +441,12 @@ def test_rows_kernel_reads_through_tma_only_where_it_can():
     assert not fp8_matmul.reads_through_tma(aligned, dataclasses.replace(tile, tma=False))
 
 
+def _unsplit_placeholders(split_k: int) -> dict:
+    """An unsplit launch passes the output (bfloat16 here) for the split scratch and its counters, as
+    ``rows_launch`` does."""
+    return {"partials_ptr": "*bf16", "arrivals_ptr": "*bf16"} if split_k == 1 else {}
+
+
 def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait():
     """sm_90: launched as a dependent, the rows kernel reads nothing before its wait (x comes from the
     kernel before, and the split scratch must not be touched while that kernel may still use it)."""
@@ -452,7 +458,7 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
                  **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
     cases = []
     for x_codes, split_k, pdl in ((False, 4, True), (True, 1, True), (False, 4, False)):
-        signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {})}
+        signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {}), **_unsplit_placeholders(split_k)}
         cases.append(dict(
             name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
@@ -484,7 +490,7 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
                      "w_desc": f"tensordesc<{w_type}[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                      "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
                      **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out",
-                                                 "slices_per_split")}}
+                                                 "slices_per_split")}, **_unsplit_placeholders(split_k)}
         cases.append(dict(
             name=f"rows-tma-{'fp8' if x_codes else 'w8a16' if w_type == 'fp8e4nv' else 'w16'}-split{split_k}"
                  f"-k{block_k}x{stages}{'-pdl' if pdl else ''}{'-silu' if silu else ''}",

@@ -320,29 +320,32 @@ def gather_split_sums(acc, paired_acc, partials_ptr, arrivals_ptr, PAIRED: tl.co
     sums of all of them in split order (the same sum whichever arrives last) and resets the count for the
     next launch. The tile is (program_id(0), program_id(1)); the scratch holds [SPLIT_K, tiles, BLOCK_N,
     BLOCK_M] float32, twice with PAIRED."""
+    # Static branches, not an early return: some Triton versions compile the statements after a static
+    # return too, and the unsplit launch passes placeholders that the atomics below cannot take.
     if SPLIT_K == 1:
-        return True, acc, paired_acc
-    # One thread performs the scalar atomic: the barrier orders every thread's partial stores before its
-    # release; its acquire orders the loads below after the other splits' stores.
-    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    tile_stride = (tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M).to(tl.int64)
-    tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
-    paired_base = tile_base + SPLIT_K * tile_stride  # the paired sums after every split's first ones
-    tl.store(tile_base + tl.program_id(2) * tile_stride, acc)
-    if PAIRED:
-        tl.store(paired_base + tl.program_id(2) * tile_stride, paired_acc)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    paired_total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if last:
-        tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
-        for split in tl.static_range(SPLIT_K):
-            total += tl.load(tile_base + split * tile_stride, cache_modifier=".cg")
-            if PAIRED:
-                paired_total += tl.load(paired_base + split * tile_stride, cache_modifier=".cg")
+        last, total, paired_total = True, acc, paired_acc
+    else:
+        # One thread performs the scalar atomic: the barrier orders every thread's partial stores before its
+        # release; its acquire orders the loads below after the other splits' stores.
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tile_elems = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_stride = (tl.num_programs(0) * tl.num_programs(1) * BLOCK_N * BLOCK_M).to(tl.int64)
+        tile_base = partials_ptr + tile.to(tl.int64) * BLOCK_N * BLOCK_M + tile_elems
+        paired_base = tile_base + SPLIT_K * tile_stride  # the paired sums after every split's first ones
+        tl.store(tile_base + tl.program_id(2) * tile_stride, acc)
+        if PAIRED:
+            tl.store(paired_base + tl.program_id(2) * tile_stride, paired_acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        paired_total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if last:
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(tile_base + split * tile_stride, cache_modifier=".cg")
+                if PAIRED:
+                    paired_total += tl.load(paired_base + split * tile_stride, cache_modifier=".cg")
     return last, total, paired_total
 
 
