@@ -239,6 +239,8 @@ def _weight_rows_qkv_rope_cache_kernel(
     slices_per_split,
     inv_k_scale,
     inv_v_scale,
+    norm_w_ptr,  # [K] RMSNorm weight (read only with NORM)
+    eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -254,6 +256,7 @@ def _weight_rows_qkv_rope_cache_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # channels of a head's half a program computes (with their second-half partners)
     BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,  # x (16-bit or float32) is the residual stream, RMS-normalised first
 ):
     # Program (p, t, s): channels of one head's first half and their second-half partners (paired rows
     # D / 2 further), tokens tile t, split s of K; fp8_matmul's rows kernel computes the sums.
@@ -272,7 +275,7 @@ def _weight_rows_qkv_rope_cache_kernel(
                                     stride_table_row, WRITE_CACHE, dtype)
     first, second = fp8_matmul.rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, HALF, rows, row_ok, channel_ok, K,
                                               stride_x, stride_w, slices_per_split, True, X_CODES, DOT_F32, EVEN, TMA,
-                                              W_CODES, BLOCK_M, BLOCK_N, BLOCK_K)
+                                              W_CODES, BLOCK_M, BLOCK_N, BLOCK_K, norm_w_ptr, eps, NORM)
     last, first, second = fp8_matmul.gather_split_sums(first, second, partials_ptr, arrivals_ptr, True, SPLIT_K,
                                                        BLOCK_M, BLOCK_N)
     if last:
@@ -303,6 +306,8 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tile: fp8_matmul.RowsTile | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """The QKV projection of 1 to ``fp8_matmul.TRITON_MAX_ROWS`` normalised tokens on the rows kernel
     (``fp8_matmul``: weight rows on the tensor cores' wide side, K split where the heads are too few to fill
@@ -315,6 +320,8 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     [(H + 2 * KVH) * D]; positions, cos, sin, kv_cache, slot_mapping, scales: as ``rope_and_write_kv_cache``
     (kv_cache None: rotate only). ``tile``: its ``block_m``, ``block_k``, stages, warps, split and TMA
     (``block_n`` is ``half_block``'s; default ``fp8_matmul.rows_tile``'s for the launch's programs).
+    ``norm_weight`` ([K], x's dtype; 16-bit or float32 x): x is the residual stream, RMS-normalised in the
+    kernel first (``eps``), as ``fp8_matmul.rows_matmul``'s prologue.
     Returns qkv [M, (H + 2 * KVH) * D] in the activations' dtype: q and k rotated, v as projected. No host
     sync: safe inside a CUDA graph."""
     quantized = isinstance(x, fp8_matmul.QuantizedRows)
@@ -342,6 +349,8 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
     if num_tokens > fp8_matmul.TRITON_MAX_ROWS:
         raise ValueError(f"{num_tokens} tokens exceed the rows kernel's {fp8_matmul.TRITON_MAX_ROWS}")
     write = check_rope_operands(positions, cos, sin, kv_cache, slot_mapping, num_tokens, num_kv_heads, head_size)
+    fp8_matmul.check_norm_and_residual(rows_in, x.scales if quantized else None, norm_weight, None, False,
+                                       (num_tokens, width), dtype)
     out = torch.empty((num_tokens, width), dtype=dtype, device=rows_in.device)
     if num_tokens == 0:
         return out
@@ -360,11 +369,11 @@ def project_rope_and_write_kv_cache_on_rows_kernel(
         slot_mapping if write else positions, launch.partials, launch.arrivals, num_tokens, in_features,
         rows_in.stride(0), weight.stride(0), out.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0,
         launch.slices_per_split, 1.0 / float(k_scale), 1.0 / float(v_scale),
+        weight if norm_weight is None else norm_weight, float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HAS_BIAS=bias is not None,
         WRITE_CACHE=write, QUANTIZE=write and kv_cache.dtype == torch.float8_e4m3fn, X_CODES=quantized,
         DOT_F32=launch.dot_f32, EVEN=(head_size // 2) % block_n == 0 and in_features % tile.block_k == 0,
         TMA=launch.tma, W_CODES=codes_weight, SPLIT_K=launch.split_k, BLOCK_M=tile.block_m, BLOCK_N=block_n,
-        BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_K=tile.block_k, NORM=norm_weight is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

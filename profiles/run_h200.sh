@@ -21,6 +21,10 @@
 #   rows-rope-ab                       the QKV product on the rows kernel rotating and writing the cache in its epilogue
 #                                      (llama.ROWS_ROPE_EPILOGUE, off): its GPU tests, then step_ab.py at batch 8, bf16
 #                                      and FP8, and the 1B's verify steps with it on
+#   rows-norm-ab                       16-bit layers of 2-16 tokens normalising in QKV's and gate/up's products and
+#                                      adding O's and down's into the stream (llama.ROWS_NORM_PROLOGUE, off), with and
+#                                      without the QKV epilogue: GPU tests, step_ab.py at batch 8 and 5, the 1B's
+#                                      verify steps
 #   fp8-linear                         bench_fp8_linear.py: each FP8 matrix kernel at 1-64 rows against cuBLAS bf16
 #   fp8-rows-sweep                     bench_fp8_linear.py --sweep rows: the 2-64-row kernel's tiles and split-K
 #   fp8-rows-tma                       bench_fp8_linear.py --sweep tma: the rows kernel's weight slices through TMA
@@ -173,6 +177,24 @@ for stage in $stages; do
       python -c "import sys, graphrt.models.llama as m; m.ROWS_ROPE_EPILOGUE = True; from graphrt.cli import main; sys.exit(main(sys.argv[1:]))" \
         bench --model random:llama-3.2-1b --batch-sizes 1 --contexts 512 --query-tokens 1,5 --steps 50 \
         --json "$OUT/rows_rope_verify_$TAG.json" || status=1
+      ;;
+    rows-norm-ab)
+      log "GPU tests of the rows kernel's norm prologue and residual epilogue, and of the layers using them"
+      python -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_matmul.py tests/test_few_rows_linear.py \
+        tests/test_qkv_rope_cache.py -k "rows or silu or norm or residual" > "$OUT/rows_norm_tests_$TAG.log" 2>&1 || status=1
+      tail -3 "$OUT/rows_norm_tests_$TAG.log"
+      for spec in "llama-3.2-1b 8" "llama-3.2-1b 5" "llama-3-8b 8"; do
+        set -- $spec
+        log "step_ab.py $1 bf16 batch $2: the norm prologue, the QKV epilogue, both"
+        python profiles/step_ab.py --model "random:$1" --batch-size "$2" --rounds 6 \
+          --set graphrt.models.llama.ROWS_NORM_PROLOGUE=True --set graphrt.models.llama.ROWS_ROPE_EPILOGUE=True \
+          --set graphrt.models.llama.ROWS_NORM_PROLOGUE=True,graphrt.models.llama.ROWS_ROPE_EPILOGUE=True \
+          --json "$OUT/rows_norm_ab_$1_b$2_$TAG.json" || status=1
+      done
+      log "graphrt bench llama-3.2-1b verify steps (q = 5) beside plain ones, the norm prologue and QKV epilogue on"
+      python -c "import sys, graphrt.models.llama as m; m.ROWS_ROPE_EPILOGUE = m.ROWS_NORM_PROLOGUE = True; from graphrt.cli import main; sys.exit(main(sys.argv[1:]))" \
+        bench --model random:llama-3.2-1b --batch-sizes 1 --contexts 512 --query-tokens 1,5 --steps 50 \
+        --json "$OUT/rows_norm_verify_$TAG.json" || status=1
       ;;
     bench-fp8)
       # The same shapes in bf16 and FP8 weights, one call, side by side; then the FP8 cache beside the bf16

@@ -26,9 +26,10 @@ interpreted(fp8_matmul, "_weight_rows_kernel")
 qkv_rows = interpreted(qkv_rows, "_weight_rows_qkv_rope_cache_kernel")
 
 
-def _decode(monkeypatch, rows_kernel: bool):
+def _decode(monkeypatch, rows_kernel: bool, norm_prologue: bool = False):
     """Greedy outputs (with logprobs) of six prompts decoded together, then of the second alone; the rows
-    kernel's call sizes in the first run and in the second."""
+    kernel's call sizes in the first run and in the second. ``norm_prologue``: the layers normalise in
+    QKV's and gate/up's products and add O's and down's into the stream (``llama.ROWS_NORM_PROLOGUE``)."""
     from graphrt import LLM, SamplingParams
 
     # float32 (products exact on both paths, so the tokens must agree): a dtype the bound was not measured in.
@@ -40,13 +41,22 @@ def _decode(monkeypatch, rows_kernel: bool):
     # takes the epilogue here (the rule: test_the_silu_epilogue_is_for_unsplit_16bit_products).
     monkeypatch.setattr(fp8_matmul, "silu_mul_splits_k", lambda rows, weight: False)
     monkeypatch.setattr(llama, "ROWS_ROPE_EPILOGUE", True)  # off by default until measured: tested here
+    monkeypatch.setattr(llama, "ROWS_NORM_PROLOGUE", norm_prologue)
     calls = []
     rows_matmul = fp8_matmul.rows_matmul
-    monkeypatch.setattr(fp8_matmul, "rows_matmul",
-                        lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_mul", False))) or rows_matmul(x, *a, **k))
+
+    def record(x, *args, **kwargs):
+        fused = ("norm" if kwargs.get("norm_weight") is not None else "") + (
+            "add" if kwargs.get("residual") is not None else "")
+        calls.append((x.shape[0], fused or kwargs.get("silu_mul", False)))
+        return rows_matmul(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_matmul, "rows_matmul", record)
     project = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
     monkeypatch.setattr(qkv_rows, "project_rope_and_write_kv_cache_on_rows_kernel",
-                        lambda x, *a, **k: calls.append((x.shape[0], "qkv")) or project(x, *a, **k))
+                        lambda x, *a, **k: calls.append((x.shape[0], "qkv" + ("-norm" if k.get("norm_weight")
+                                                                                    is not None else "")))
+                        or project(x, *a, **k))
     prompts = [[(13 * i + 7 * n) % 500 + 3 for i in range(n)] for n in (3, 9, 17, 4, 11, 6)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     with LLM("random:tiny", dtype="float32", device=DEVICE, fused_kernels=True, max_model_len=64, num_kv_blocks=64,
@@ -81,6 +91,28 @@ def test_a_model_on_the_rows_kernel_decodes_as_on_cublas(monkeypatch):
     assert kinds.count("qkv") == kinds.count(True) == kinds.count(False) // 2 > 0
     if not CUDA:  # on a GPU the prompt runs in a prompt graph captured at start (its calls among the above)
         assert set(alone_calls) == {(9, "qkv"), (9, False), (9, True)}
+    for got, want in zip(outputs, reference):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("run", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_layers_normalising_in_their_products_decode_as_on_cublas(monkeypatch, run):
+    """``ROWS_NORM_PROLOGUE``: each layer of the six-row decode steps (and the 9-token prefill) runs QKV
+    normalising the stream in its prologue, with rotary and the cache write in its epilogue, O and down
+    adding into the stream, gate/up normalising it with SiLU * up in its epilogue: four launches and
+    attention, no norm, rotary or activation kernel. Float32: cuBLAS's tokens, logprobs within float32
+    summation order."""
+    if (run == "gpu") != CUDA:
+        pytest.skip("the CPU case runs without a GPU, the GPU case with one")
+    reference, _, _ = _decode(monkeypatch, rows_kernel=False)
+    outputs, decode_calls, alone_calls = _decode(monkeypatch, rows_kernel=True, norm_prologue=True)
+    kinds = [kind for _, kind in decode_calls]
+    assert kinds.count("qkv-norm") == kinds.count("norm") == kinds.count("add") // 2 > 0
+    assert not {"qkv", True, False} & set(kinds)  # every product fused with its neighbours
+    if not CUDA:
+        assert set(alone_calls) == {(9, "qkv-norm"), (9, "norm"), (9, "add")}
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):

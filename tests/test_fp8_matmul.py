@@ -126,6 +126,69 @@ def test_rows_matmul_of_16bit_weights_against_float64(rows, out_features, in_fea
     check_rows_matmul(rows, out_features, in_features, dtype, bias, tile)
 
 
+_NORM_TILES = [
+    (5, 40, 300, None),
+    (20, 50, 230, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3)),  # split K: every split reads whole rows
+    (20, 50, 224, fp8_matmul.RowsTile(16, 16, 32, 4, 2, split_k=3, tma=True)),  # through TMA
+    (3, 64, 96, fp8_matmul.RowsTile(16, 32, 32, 4, 2)),  # unmasked loads
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,out_features,in_features,tile", _NORM_TILES)
+def test_rows_matmul_norm_prologue_against_float64(rows, out_features, in_features, tile, dtype):
+    """x is the residual stream, RMS-normalised in the kernel: the float64 product of the rows as
+    rms_norm_torch rounds them, within one rounding, float32 sums in any order, and a few normalised
+    inputs moved by a rounding each (1 / rms summed in another order)."""
+    from graphrt.models.layers import rms_norm_torch
+
+    x = _rows(rows, in_features, dtype, seed=rows + in_features) * 3.0
+    generator = torch.Generator().manual_seed(in_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(dtype).to(DEVICE)
+    norm_weight = (torch.rand(in_features, generator=generator) + 0.5).to(dtype).to(DEVICE)
+    got = fp8_matmul.rows_matmul(x, weight, tile=tile, norm_weight=norm_weight, eps=1e-5)
+    normed = rms_norm_torch(x, norm_weight, 1e-5)
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-20
+    expected = normed.double() @ weight.double().T
+    terms = normed.double().abs() @ weight.double().abs().T
+    largest = normed.double().abs().amax(1, keepdim=True) * weight.double().abs().amax(1)[None, :]
+    assert got.shape == expected.shape and not got.isnan().any()
+    bound = unit * expected.abs() + 2**-20 * terms + unit * (4 + in_features // 1024) * largest + 1e-30
+    assert ((got.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,out_features,in_features,tile", _NORM_TILES)
+def test_rows_matmul_residual_epilogue_is_the_product_added(rows, out_features, in_features, tile, dtype):
+    """residual += product in the epilogue: the bits of a torch add of the same tile's rounded product,
+    into the tensor passed (every element of it updated)."""
+    x = _rows(rows, in_features, dtype, seed=2 * rows + in_features)
+    generator = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(out_features, generator=generator).to(dtype).to(DEVICE)
+    residual = _rows(rows, out_features, dtype, seed=7) * 4.0
+    expected = residual + fp8_matmul.rows_matmul(x, weight, bias, tile=tile)
+    got = fp8_matmul.rows_matmul(x, weight, bias, tile=tile, residual=residual)
+    assert got.data_ptr() == residual.data_ptr()
+    assert torch.equal(got, expected)
+
+
+def test_rows_matmul_refuses_a_bad_norm_weight_or_residual():
+    x = _rows(3, 64, torch.bfloat16, seed=1)
+    weight = torch.randn(32, 64, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="norm weight"):
+        fp8_matmul.rows_matmul(x, weight, norm_weight=torch.ones(63, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="norm weight"):
+        fp8_matmul.rows_matmul(x, weight, norm_weight=torch.ones(64, device=DEVICE))  # float32 against bf16 rows
+    with pytest.raises(ValueError, match="residual"):
+        fp8_matmul.rows_matmul(x, weight, residual=torch.zeros(3, 31, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one at a time"):
+        fp8_matmul.rows_matmul(x, weight, silu_mul=True, residual=torch.zeros(3, 16, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="share memory"):
+        square = torch.randn(64, 64, device=DEVICE).to(torch.bfloat16)
+        fp8_matmul.rows_matmul(x, square, residual=x)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -455,7 +518,8 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
     signature = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv",
                  "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partials_ptr": "*fp32",
                  "arrivals_ptr": "*i32",
-                 **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")}}
+                 **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out", "slices_per_split")},
+                 "norm_w_ptr": "*bf16", "eps": "fp32"}
     cases = []
     for x_codes, split_k, pdl in ((False, 4, True), (True, 1, True), (False, 4, False)):
         signature_case = {**signature, **({"x_ptr": "*fp8e4nv"} if x_codes else {}), **_unsplit_placeholders(split_k)}
@@ -463,7 +527,8 @@ def test_rows_kernel_as_a_dependent_compiles_with_nothing_read_before_its_wait()
             name=f"rows-{'fp8' if x_codes else 'w8a16'}-split{split_k}{'' if pdl else '-plain'}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature_case,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False, W_CODES=True, SILU_MUL=False),
+                            BLOCK_N=64, BLOCK_K=256, PDL=pdl, TMA=False, W_CODES=True, SILU_MUL=False, NORM=False,
+                            ADD_TO_OUT=False),
             num_warps=4, num_stages=4, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
@@ -490,14 +555,15 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
                      "w_desc": f"tensordesc<{w_type}[64, {block_k}]>", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                      "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32",
                      **{name: "i32" for name in ("M", "N", "K", "stride_x", "stride_w", "stride_out",
-                                                 "slices_per_split")}, **_unsplit_placeholders(split_k)}
+                                                 "slices_per_split")}, **_unsplit_placeholders(split_k),
+                     "norm_w_ptr": "*bf16", "eps": "fp32"}
         cases.append(dict(
             name=f"rows-tma-{'fp8' if x_codes else 'w8a16' if w_type == 'fp8e4nv' else 'w16'}-split{split_k}"
                  f"-k{block_k}x{stages}{'-pdl' if pdl else ''}{'-silu' if silu else ''}",
             module="graphrt.kernels.fp8_matmul", kernel="_weight_rows_kernel", signature=signature,
             constexprs=dict(X_CODES=x_codes, HAS_BIAS=False, DOT_F32=False, EVEN=True, SPLIT_K=split_k, BLOCK_M=16,
                             BLOCK_N=64, BLOCK_K=block_k, PDL=pdl, TMA=True,
-                            W_CODES=w_type == "fp8e4nv", SILU_MUL=silu),
+                            W_CODES=w_type == "fp8e4nv", SILU_MUL=silu, NORM=False, ADD_TO_OUT=False),
             num_warps=4, num_stages=stages, launch_pdl=pdl,
             aligned_ints=["N", "K", "stride_x", "stride_w", "stride_out"]))
     one_row = dict(cases[3], name="rows-w16-one-output-row",  # a size of 1 is specialised to a constant
@@ -506,6 +572,10 @@ def test_rows_kernel_reads_its_weights_through_tma_on_sm90():
                    aligned_ints=["K", "stride_x", "stride_w", "stride_out"])
     cases.append(one_row)
     cases.append(dict(one_row, name="rows-w16-silu-one-output-row", constexprs={**one_row["constexprs"], "SILU_MUL": True}))
+    # The 16-bit layers' norm prologue (with SiLU * up, unsplit) and residual epilogue (split), as decode runs them.
+    unsplit_silu, split = cases[5], cases[3]
+    cases.append(dict(unsplit_silu, name="rows-w16-norm-silu", constexprs={**unsplit_silu["constexprs"], "NORM": True}))
+    cases.append(dict(split, name="rows-w16-split-add", constexprs={**split["constexprs"], "ADD_TO_OUT": True}))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)
         assert result["tma_loads"] > 0, (case["name"], result)

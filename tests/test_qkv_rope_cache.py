@@ -394,9 +394,11 @@ def test_qkv_on_the_rows_kernel_compiles_for_sm90():
     from sm90_compile import H200_SHARED_MEMORY, compile_for_sm90
 
     cases = []
-    for kind, head_size, tma, split_k, cache in [("w16", 64, True, 4, "bf16"), ("w8a16", 128, True, 2, "fp8e4nv"),
-                                                  ("fp8", 128, True, 1, "bf16"), ("w16", 80, False, 1, "bf16"),
-                                                  ("fp8", 64, True, 4, "bf16"), ("w16", 80, True, 1, "bf16")]:
+    for kind, head_size, tma, split_k, cache, norm in [
+            ("w16", 64, True, 4, "bf16", False), ("w8a16", 128, True, 2, "fp8e4nv", False),
+            ("fp8", 128, True, 1, "bf16", False), ("w16", 80, False, 1, "bf16", False),
+            ("fp8", 64, True, 4, "bf16", False), ("w16", 80, True, 1, "bf16", False),
+            ("w16", 64, True, 4, "bf16", True), ("w16", 128, True, 1, "bf16", True)]:  # the norm prologue
         weight = "bf16" if kind == "w16" else "fp8e4nv"
         block_n, block_k = qkv_rows.half_block(head_size), 128 if kind == "w16" else 256
         pointers = dict(x_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", x_scale_ptr="*fp32", w_ptr=f"*{weight}",
@@ -405,17 +407,17 @@ def test_qkv_on_the_rows_kernel_compiles_for_sm90():
                         sin_ptr="*fp32", cache_ptr=f"*{cache}", slot_ptr="*i64",
                         # unsplit, the output stands in for the split scratch and its counters (rows_launch)
                         partials_ptr="*fp32" if split_k > 1 else "*bf16",
-                        arrivals_ptr="*i32" if split_k > 1 else "*bf16")
+                        arrivals_ptr="*i32" if split_k > 1 else "*bf16", norm_w_ptr="*bf16")
         integers = {arg: "i32" for arg in ("M", "K", "stride_x", "stride_w", "stride_qkv_row", "stride_table_row",
                                            "stride_cache_kind", "slices_per_split")}
         cases.append(dict(
-            name=f"qkv-rows-{kind}-{head_size}-split{split_k}{'-tma' if tma else ''}",
+            name=f"qkv-rows-{kind}-{head_size}-split{split_k}{'-tma' if tma else ''}{'-norm' if norm else ''}",
             module="graphrt.attention.triton_qkv_rows", kernel="_weight_rows_qkv_rope_cache_kernel",
-            signature={**pointers, **integers, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+            signature={**pointers, **integers, "inv_k_scale": "fp32", "inv_v_scale": "fp32", "eps": "fp32"},
             constexprs=dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=head_size, HAS_BIAS=False, WRITE_CACHE=True,
                             QUANTIZE=cache == "fp8e4nv", X_CODES=kind == "fp8", DOT_F32=False,
                             EVEN=(head_size // 2) % block_n == 0, TMA=tma, W_CODES=kind != "w16", SPLIT_K=split_k,
-                            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k),
+                            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm),
             num_warps=4, num_stages=4, aligned_ints=["K", "stride_x", "stride_w"]))
     for case, result in zip(cases, compile_for_sm90(cases)):
         assert "error" not in result, (case["name"], result)

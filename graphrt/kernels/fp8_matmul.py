@@ -48,7 +48,8 @@ from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
 from graphrt.kernels.gemv import store_linear_output
-from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to_e4m3
+from graphrt.kernels.gemv_rows import rows_inv_rms
+from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -229,6 +230,8 @@ def _weight_rows_kernel(
     stride_w,
     stride_out,
     slices_per_split,  # BLOCK_K slices of K each split takes (the last may take fewer)
+    norm_w_ptr,  # [K] RMSNorm weight (read only with NORM)
+    eps,
     X_CODES: tl.constexpr,  # x is E4M3 codes: FP8 x FP8 products; else W8A16 (codes widened to float16)
     HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr,  # products in float32 (float32 activations). Triton's CPU interpreter runs the
@@ -242,6 +245,8 @@ def _weight_rows_kernel(
     TMA: tl.constexpr = False,  # the weight slices come through the tensor memory accelerator (w_desc)
     W_CODES: tl.constexpr = True,  # w holds E4M3 codes scaled per row; else 16-bit weights in x's dtype
     SILU_MUL: tl.constexpr = False,  # out = silu(x @ gate^T) * (x @ up^T), gate and up rows N apart
+    NORM: tl.constexpr = False,  # x (16-bit or float32) is RMS-normalised first (rows_tile_sums)
+    ADD_TO_OUT: tl.constexpr = False,  # out (the residual stream) += the product, in place
 ):
     # Weight rows are the products' M side (the tensor cores' 64-row side), tokens the N side: a few
     # tokens fill an MMA that way, whereas on the M side they would be padded to 64.
@@ -257,23 +262,25 @@ def _weight_rows_kernel(
         tl.extra.cuda.gdc_wait()
     acc, up_acc = rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, N, rows, row_ok, col_ok, K, stride_x, stride_w,
                                  slices_per_split, SILU_MUL, X_CODES, DOT_F32, EVEN, TMA, W_CODES, BLOCK_M, BLOCK_N,
-                                 BLOCK_K)
+                                 BLOCK_K, norm_w_ptr, eps, NORM)
     last, acc, up_acc = gather_split_sums(acc, up_acc, partials_ptr, arrivals_ptr, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
         _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                         stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL)
+                         stride_out, dtype, X_CODES, HAS_BIAS, W_CODES, SILU_MUL, ADD_TO_OUT)
 
 
 @triton.jit
 def rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, pair_offset, rows, row_ok, col_ok, K, stride_x, stride_w,
                    slices_per_split, PAIRED: tl.constexpr, X_CODES: tl.constexpr, DOT_F32: tl.constexpr,
                    EVEN: tl.constexpr, TMA: tl.constexpr, W_CODES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, norm_w_ptr, eps, NORM: tl.constexpr):
     """One program's float32 sums [BLOCK_N weight rows, BLOCK_M tokens] over its split's range of K (split
     ``program_id(2)``, ``slices_per_split`` slices of BLOCK_K): weight rows ``first_col`` on, and with PAIRED
     a second tile of the rows ``pair_offset`` further (else the second result is zeros). Flags as
-    ``_weight_rows_kernel``'s; with TMA ``w_desc`` boxes are [BLOCK_N, BLOCK_K]. Reads x: after a dependent
-    launch's wait."""
+    ``_weight_rows_kernel``'s; with TMA ``w_desc`` boxes are [BLOCK_N, BLOCK_K]. With NORM (16-bit or
+    float32 x, not codes) the rows are RMS-normalised first with the norm weight at ``norm_w_ptr`` and
+    ``eps``, rounded as ``rms_norm_torch`` rounds them: each program reads its rows whole once for their
+    scales (KBs from L2 against the weights' MBs). Reads x: after a dependent launch's wait."""
     cols = first_col + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
@@ -284,6 +291,8 @@ def rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, pair_offset, rows, row_ok, c
     k_end = tl.minimum(k_begin + slices_per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     paired_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if NORM:
+        inv_rms = rows_inv_rms(x_ptr, rows, row_ok, stride_x, K, eps, BLOCK_M, BLOCK_K)
     for k in range(k_begin, k_end, BLOCK_K):
         k_ok = (k + ks) < K  # read only where BLOCK_K does not divide K
         w_mask = col_ok[:, None] & k_ok[None, :]
@@ -306,6 +315,10 @@ def rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, pair_offset, rows, row_ok, c
             x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            norm_w = tl.load(norm_w_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            normed = round_to(x.to(tl.float32) * inv_rms[:, None], x.dtype).to(tl.float32)
+            x = round_to(norm_w[None, :] * normed, x.dtype)
         acc = _slice_products(acc, w, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
         if PAIRED:
             paired_acc = _slice_products(paired_acc, paired, x, X_CODES, DOT_F32, W_CODES, BLOCK_K)
@@ -386,10 +399,11 @@ def scaled_sums(acc, weight_rows, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr
 @triton.jit
 def _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
                      stride_out, dtype: tl.constexpr, X_CODES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     W_CODES: tl.constexpr, SILU_MUL: tl.constexpr):
+                     W_CODES: tl.constexpr, SILU_MUL: tl.constexpr, ADD_TO_OUT: tl.constexpr = False):
     """Scales and biases a tile's float32 sums (``scaled_sums``), rounds them once to ``dtype`` and stores
     them transposed into ``out``; with SILU_MUL ``acc`` holds the gate rows' sums and ``up_acc`` the up
-    rows' (N further), and ``silu(gate) * up`` is stored, rounded as the unfused ops round it."""
+    rows' (N further), and ``silu(gate) * up`` is stored, rounded as the unfused ops round it; with
+    ADD_TO_OUT the rounded product is added to out's values (the residual stream) as a torch add rounds."""
     result = scaled_sums(acc, cols, col_ok, rows, row_ok, x_scale_ptr, w_scale_ptr, bias_ptr, X_CODES, HAS_BIAS,
                           W_CODES)
     up = result
@@ -398,8 +412,12 @@ def _store_rows_tile(acc, up_acc, cols, rows, col_ok, row_ok, N, x_scale_ptr, w_
                           HAS_BIAS, W_CODES)
     out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + cols[:, None]
     mask = row_ok[None, :] & col_ok[:, None]
-    # gemv.EPILOGUE_SILU_MUL (2) or gemv.EPILOGUE_STORE (0): Triton reads no plain global in a kernel.
-    store_linear_output(result, up, result, out_ptrs, mask, 2 if SILU_MUL else 0, dtype)
+    addend = result
+    if ADD_TO_OUT:
+        addend = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    # gemv.EPILOGUE_SILU_MUL (2), EPILOGUE_ADD_TO_OUT (1) or EPILOGUE_STORE (0): Triton reads no plain global
+    # in a kernel.
+    store_linear_output(result, up, addend, out_ptrs, mask, 2 if SILU_MUL else 1 if ADD_TO_OUT else 0, dtype)
 
 
 @dataclass(frozen=True)
@@ -515,18 +533,22 @@ def split_workspace(device: torch.device, partials: int, tiles: int) -> tuple[to
 
 def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, tile: RowsTile | None,
-                 dependent_launch: bool = False, silu_mul: bool = False) -> torch.Tensor:
+                 dependent_launch: bool = False, silu_mul: bool = False, norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``_weight_rows_kernel`` on x [M, K] (FP8 codes with ``x_scale`` [M], or activations with None) and
     FP8 weight codes with ``weight_scale``, or (None) 16-bit weights in x's dtype; ``dependent_launch``: as
     ``scaled_mm``'s. ``silu_mul``: the weight is gate rows then up rows, and the result [M, N / 2] is
-    ``silu(gate) * up``."""
+    ``silu(gate) * up``. ``norm_weight`` ([K], x's dtype; activations only): x is RMS-normalised first
+    (``eps``). ``residual`` ([M, N], ``out_dtype``): the product is added into it in place, and it is
+    returned."""
     if x.stride(-1) != 1:
         raise ValueError("x must have contiguous columns")
     rows, width = x.shape
     if silu_mul and weight.shape[0] % 2:
         raise ValueError(f"a SiLU * up product needs gate and up rows alike, got {weight.shape[0]} rows")
     out_features = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
+    check_norm_and_residual(x, x_scale, norm_weight, residual, silu_mul, (rows, out_features), out_dtype)
+    out = residual if residual is not None else torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return out
     if width == 0:  # an empty sum: the bias alone (then SiLU * up of it)
@@ -534,7 +556,7 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
             torch.zeros((rows, weight.shape[0]), dtype=out_dtype, device=x.device)
         if silu_mul:
             sums = torch.nn.functional.silu(sums[:, :out_features]) * sums[:, out_features:]
-        return out.copy_(sums)
+        return out.add_(sums) if residual is not None else out.copy_(sums)
     tile = tile or rows_tile(rows, out_features, width, multiprocessors(x.device), tma_available(x.device),
                              weight.element_size())
     col_tiles, row_tiles = triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m)
@@ -543,12 +565,34 @@ def _rows_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         x, launch.w_scales if x_scale is None else x_scale, weight, launch.w_desc, launch.w_scales,
         weight if bias is None else bias, out,
         launch.partials, launch.arrivals, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
-        launch.slices_per_split, X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=launch.dot_f32,
+        launch.slices_per_split, weight if norm_weight is None else norm_weight, float(eps),
+        X_CODES=x_scale is not None, HAS_BIAS=bias is not None, DOT_F32=launch.dot_f32,
         EVEN=out_features % tile.block_n == 0 and width % tile.block_k == 0, SPLIT_K=launch.split_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, TMA=launch.tma,
-        W_CODES=weight_scale is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
+        W_CODES=weight_scale is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None,
+        ADD_TO_OUT=residual is not None, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **launch_options(dependent_launch))
     return out
+
+
+def check_norm_and_residual(x: torch.Tensor, x_scale: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                             residual: torch.Tensor | None, silu_mul: bool, out_shape: tuple[int, int],
+                             out_dtype: torch.dtype) -> None:
+    """ValueError unless the norm prologue's weight and the residual epilogue's stream fit the launch."""
+    if norm_weight is not None:
+        if x_scale is not None:
+            raise ValueError("the norm prologue takes 16-bit or float32 activations, not FP8 codes")
+        if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+            raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be a contiguous "
+                             f"[{x.shape[1]}] {x.dtype} tensor")
+    if residual is not None:
+        if silu_mul:
+            raise ValueError("the residual add and SiLU * up are separate epilogues: one at a time")
+        if residual.shape != out_shape or residual.dtype != out_dtype or residual.stride(-1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be {list(out_shape)} "
+                             f"{out_dtype} with contiguous columns")
+        if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            raise ValueError("residual must not share memory with x: programs would read x while others write it")
 
 
 class RowsLaunch(NamedTuple):
@@ -626,7 +670,8 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 tile: RowsTile | None = None, *, dependent_launch: bool = False,
-                silu_mul: bool = False) -> torch.Tensor:
+                silu_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for a few rows of 16-bit weights on the rows kernel (weight rows on the
     tensor cores' 64-row side, K split where the matrix has few output tiles, slices through TMA up to
     16 tokens on sm_90+), where cuBLAS pads the tokens to its own tiles.
@@ -635,6 +680,10 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias: None or [N] in x's dtype. Returns [M, N] in x's dtype, rounded once from the float32 sum of
     products exact in float32 (float32 weights multiply in IEEE float32). Built for 2-64 rows. No host
     sync: safe inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M).
+    ``norm_weight`` ([K], x's dtype): x is the residual stream, RMS-normalised in the kernel first
+    (``eps``; rounded as ``rms_norm_torch`` rounds, its 1 / rms summed in another order). ``residual``
+    ([M, N], x's dtype, not x's memory): the product is added into it in place (rounded as a torch add of
+    the rounded product) and it is returned; not with ``silu_mul``.
     """
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dim() != 2 \
             or not weight.is_contiguous():
@@ -644,7 +693,8 @@ def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the weight's {weight.shape[1]} input "
                          f"features in {weight.dtype}")
     check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch, silu_mul)
+    return _rows_matmul(x, None, weight, None, bias, x.dtype, tile, dependent_launch, silu_mul, norm_weight, eps,
+                        residual)
 
 
 def check_quantized_rows(x: QuantizedRows) -> None:

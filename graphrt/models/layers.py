@@ -78,16 +78,21 @@ class FewRowsLinear(nn.Linear):
         tile), or None where it would not."""
         return (x, self.weight, None, self.bias, None) if self.takes_rows_kernel(x) else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm: "RMSNorm | None" = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype. ``silu_mul`` (where ``fuses_silu_mul``): the weight is gate
-        rows then up rows, and the result [T, out / 2] is ``silu(gate) * up``."""
+        rows then up rows, and the result [T, out / 2] is ``silu(gate) * up``. On the rows kernel only:
+        ``norm``: x is the residual stream, normalised by this RMSNorm's weight and eps in the kernel first;
+        ``residual`` ([T, out]): the product is added into it in place, and it is returned."""
         if self.takes_rows_kernel(x):
             from graphrt.kernels.fp8_matmul import rows_matmul
 
-            return rows_matmul(x, self.weight, self.bias, silu_mul=silu_mul)
-        if silu_mul:
-            raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up "
-                             "epilogue")
+            return rows_matmul(x, self.weight, self.bias, silu_mul=silu_mul,
+                               norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+                               residual=residual)
+        if silu_mul or norm is not None or residual is not None:
+            raise ValueError(f"a forward of {x.shape[0]} tokens here does not run the rows kernel: no SiLU * up, "
+                             "norm or residual fusion")
         return super().forward(x)
 
     def extra_repr(self) -> str:

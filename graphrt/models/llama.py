@@ -58,6 +58,12 @@ ROWS_ROPE_EPILOGUE = False
 #: forward).
 ROWS_SILU_EPILOGUE = True
 
+#: Whether a decoder layer of 16-bit weights whose four products all run on the rows kernel (2-16 tokens)
+#: normalises inside QKV's and gate/up's products and adds O's and down's outputs into the residual
+#: stream in their epilogues, as the GEMV layers do for one token, instead of two add + norm launches: off
+#: until its step A/B on a GPU says otherwise (``profiles/run_h200.sh rows-norm-ab``); read at each forward.
+ROWS_NORM_PROLOGUE = False
+
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device, policy: KernelPolicy) -> nn.Module:
     """A decoder linear layer: ``nn.Linear`` in the model dtype (``FewRowsLinear`` where the policy runs a
@@ -143,15 +149,16 @@ class LlamaAttention(nn.Module):
             self._project_on_rows_kernel = triton_qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
 
     def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata,
-                input_norm: RMSNorm | None = None) -> torch.Tensor:
+                input_norm: RMSNorm | None = None, rows_norm: RMSNorm | None = None) -> torch.Tensor:
         """positions: [T] int64; hidden: [T, hidden], the normalised input (or, fused kernels on FP8 tensor
         cores, its ``QuantizedRows``) -> attention output [T, q], before the output projection. Stores
-        this step's k and v in ``kv_cache``.
+        this step's k and v in ``kv_cache``. ``rows_norm`` (QKV on the rows kernel, 16-bit): hidden is the
+        residual stream instead, normalised with this RMSNorm inside the QKV product.
 
         ``input_norm`` (GEMV layers, fused kernels): ``hidden`` is the residual stream instead, and one
         kernel normalises it, projects it to q, k and v, rotates them and stores k and v."""
         if self.kv_amax is not None:
-            self._record_kv_amax(positions, hidden, input_norm)
+            self._record_kv_amax(positions, hidden, input_norm or rows_norm)
         launch = self.policy.dependent_launch
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if input_norm is not None:
@@ -166,11 +173,13 @@ class LlamaAttention(nn.Module):
         elif self.policy.fused and (operands := self._rows_kernel_operands(hidden)) is not None:
             # The product on the rows kernel, q and k rotated and k and v stored in its epilogue.
             x, weight, weight_scale, bias, tile = operands
+            norm = {} if rows_norm is None else dict(norm_weight=rows_norm.weight, eps=rows_norm.eps)
             qkv = self._project_on_rows_kernel(
                 x, weight, weight_scale, bias, positions, self.rotary.cos, self.rotary.sin, kv_cache,
-                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim, tile=tile, **scales)
+                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim, tile=tile, **scales,
+                **norm)
         elif self.policy.fused:
-            qkv = self.qkv_proj(hidden)
+            qkv = self.qkv_proj(hidden) if rows_norm is None else self.qkv_proj(hidden, norm=rows_norm)
             # Rotates q and k inside qkv and stores k and v in the cache, so attention only reads.
             self._rope_cache_write.rope_and_write_kv_cache(
                 qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, attn_metadata.slot_mapping,
@@ -271,6 +280,8 @@ class LlamaDecoderLayer(nn.Module):
         ``policy.gemv_rows_max_tokens`` run the same five on the few-row kernels."""
         if self.policy.runs_gemv(positions.shape[0]):
             return self._forward_gemv(positions, hidden, residual, kv_cache, attn_metadata)
+        if self._runs_rows_layer(hidden if hidden is not None else residual):
+            return self._forward_rows(positions, hidden, residual, kv_cache, attn_metadata)
         # A norm whose output feeds an FP8 x FP8 product writes it quantised (one launch fewer a product).
         rows, device, policy = positions.shape[0], positions.device, self.policy
         quantize = _quantizes_input(self.self_attn.qkv_proj, rows, device, policy)
@@ -301,6 +312,34 @@ class LlamaDecoderLayer(nn.Module):
             weight_scale=_row_scales(mlp.gate_up_proj), **launch,
         )
         self._add_projection(linear, activated, mlp.down_proj, residual, launch)
+        return None, residual
+
+    def _runs_rows_layer(self, x: torch.Tensor) -> bool:
+        """Whether a forward of ``x`` ([T, hidden]) runs ``_forward_rows``: ``ROWS_NORM_PROLOGUE``, one rank,
+        and every product of the layer a 16-bit ``FewRowsLinear`` on the rows kernel for T tokens."""
+        if not ROWS_NORM_PROLOGUE or self.tensor_parallel.enabled:
+            return False
+        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        return all(isinstance(p, FewRowsLinear) for p in projections) and all(
+            p.takes_rows_kernel(x) for p in projections)
+
+    def _forward_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
+        """The GEMV layers' structure on the rows kernel (2-16 tokens, 16-bit): QKV normalising the stream
+        in its prologue (rotary and the cache write in its epilogue with ``ROWS_ROPE_EPILOGUE``), attention,
+        O adding into the stream, gate/up normalising it (SiLU * up in its epilogue where it does not split
+        K), down adding into the stream. Returns ``(None, residual)``, as ``_forward_gemv``."""
+        if residual is None:
+            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
+        elif hidden is not None:
+            residual = residual + hidden
+        attention, mlp = self.self_attn, self.mlp
+        attended = attention(positions, residual, kv_cache, attn_metadata, rows_norm=self.input_layernorm)
+        attention.o_proj(attended, residual=residual)
+        fused = ROWS_SILU_EPILOGUE and mlp.gate_up_proj.fuses_silu_mul(residual)
+        activated = mlp.gate_up_proj(residual, silu_mul=fused, norm=self.post_attention_layernorm)
+        if not fused:
+            activated = mlp._activation(activated)
+        mlp.down_proj(activated, residual=residual)
         return None, residual
 
     def _add_projection(self, linear, x: torch.Tensor, projection: nn.Module, residual: torch.Tensor,
