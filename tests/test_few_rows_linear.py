@@ -137,7 +137,7 @@ def test_the_silu_epilogue_is_for_unsplit_16bit_products(monkeypatch):
 def test_few_rows_linear_falls_back_outside_its_bound(monkeypatch):
     """On a device it runs on: one token, more than max_tokens, x in another dtype or with strided columns,
     or the switch off: nn.Linear's result bit for bit (the rows kernel never called); a device it does not
-    run on, the same. A SiLU * up epilogue asked of such a forward is refused."""
+    run on, the same. A SiLU * up epilogue, norm prologue or residual add asked of such a forward is refused."""
     monkeypatch.setattr(fp8_matmul, "rows_matmul", lambda *a, **k: pytest.fail("the rows kernel ran"))
     torch.manual_seed(0)
     linear = layers.FewRowsLinear(64, 48, bias=True, device=DEVICE, max_tokens=4)
@@ -150,8 +150,10 @@ def test_few_rows_linear_falls_back_outside_its_bound(monkeypatch):
     for x in (torch.randn(1, 64, device=DEVICE), torch.randn(5, 64, device=DEVICE), torch.randn(64, 3, device=DEVICE).t()):
         assert not linear.takes_rows_kernel(x)
         assert torch.equal(linear(x), reference(x))
-        with pytest.raises(ValueError, match="no SiLU \\* up epilogue"):
-            linear(x, silu_mul=True)
+        for fusion in (dict(silu_mul=True), dict(norm=layers.RMSNorm(64, 1e-5, device=DEVICE)),
+                       dict(residual=torch.zeros(x.shape[0], 48, device=DEVICE))):
+            with pytest.raises(ValueError, match="no SiLU \\* up, norm or residual fusion"):
+                linear(x, **fusion)
     monkeypatch.setattr(layers, "ROWS_KERNEL", False)
     x = torch.randn(3, 64, device=DEVICE)
     assert torch.equal(linear(x), reference(x))
