@@ -288,6 +288,8 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden, quantize=quantize)
+        elif hidden is None:  # the layer before added everything into the stream (``_forward_rows``)
+            normed = self.input_layernorm(residual, quantize=quantize)
         else:
             normed, residual = self.input_layernorm(hidden, residual, quantize=quantize)
         attended = self.self_attn.o_proj(self.self_attn(positions, normed, kv_cache, attn_metadata))
