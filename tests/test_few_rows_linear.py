@@ -26,10 +26,13 @@ interpreted(fp8_matmul, "_weight_rows_kernel")
 qkv_rows = interpreted(qkv_rows, "_weight_rows_qkv_rope_cache_kernel")
 
 
-def _decode(monkeypatch, rows_kernel: bool, norm_prologue: bool = False):
+def _decode(monkeypatch, rows_kernel: bool, norm_prologue: bool = False, rope_epilogue: bool = True,
+            silu_splits: bool = False):
     """Greedy outputs (with logprobs) of six prompts decoded together, then of the second alone; the rows
     kernel's call sizes in the first run and in the second. ``norm_prologue``: the layers normalise in
-    QKV's and gate/up's products and add O's and down's into the stream (``llama.ROWS_NORM_PROLOGUE``)."""
+    QKV's and gate/up's products and add O's and down's into the stream (``llama.ROWS_NORM_PROLOGUE``);
+    ``rope_epilogue``: ``llama.ROWS_ROPE_EPILOGUE``; ``silu_splits``: every gate/up product counts as
+    splitting K, so the activation keeps its own kernel."""
     from graphrt import LLM, SamplingParams
 
     # float32 (products exact on both paths, so the tokens must agree): a dtype the bound was not measured in.
@@ -39,22 +42,23 @@ def _decode(monkeypatch, rows_kernel: bool, norm_prologue: bool = False):
     monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)  # the interpreter on a CPU
     # The tiny gate/up splits K on a large GPU, where the rule keeps the activation's launch: every product
     # takes the epilogue here (the rule: test_the_silu_epilogue_is_for_unsplit_16bit_products).
-    monkeypatch.setattr(fp8_matmul, "silu_mul_splits_k", lambda rows, weight: False)
-    monkeypatch.setattr(llama, "ROWS_ROPE_EPILOGUE", True)  # off by default until measured: tested here
+    monkeypatch.setattr(fp8_matmul, "silu_mul_splits_k", lambda rows, weight: silu_splits)
+    monkeypatch.setattr(llama, "ROWS_ROPE_EPILOGUE", rope_epilogue)  # off by default until measured: tested here
     monkeypatch.setattr(llama, "ROWS_NORM_PROLOGUE", norm_prologue)
     calls = []
     rows_matmul = fp8_matmul.rows_matmul
 
     def record(x, *args, **kwargs):
-        fused = ("norm" if kwargs.get("norm_weight") is not None else "") + (
-            "add" if kwargs.get("residual") is not None else "")
-        calls.append((x.shape[0], fused or kwargs.get("silu_mul", False)))
+        fused = [name for name, on in (("norm", kwargs.get("norm_weight") is not None),
+                                       ("add", kwargs.get("residual") is not None)) if on]
+        silu = kwargs.get("silu_mul", False)
+        calls.append((x.shape[0], "+".join(fused + ["silu"] * silu) if fused else silu))
         return rows_matmul(x, *args, **kwargs)
 
     monkeypatch.setattr(fp8_matmul, "rows_matmul", record)
     project = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel
     monkeypatch.setattr(qkv_rows, "project_rope_and_write_kv_cache_on_rows_kernel",
-                        lambda x, *a, **k: calls.append((x.shape[0], "qkv" + ("-norm" if k.get("norm_weight")
+                        lambda x, *a, **k: calls.append((x.shape[0], "qkv" + ("+norm" if k.get("norm_weight")
                                                                                     is not None else "")))
                         or project(x, *a, **k))
     prompts = [[(13 * i + 7 * n) % 500 + 3 for i in range(n)] for n in (3, 9, 17, 4, 11, 6)]
@@ -97,26 +101,56 @@ def test_a_model_on_the_rows_kernel_decodes_as_on_cublas(monkeypatch):
             assert abs(a.logprob - b.logprob) < 1e-4
 
 
+@pytest.mark.parametrize("rope_epilogue,silu_splits", [(True, False), (False, True)],
+                         ids=["qkv-epilogue-silu-epilogue", "rotary-and-activation-kernels"])
 @pytest.mark.parametrize("run", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_layers_normalising_in_their_products_decode_as_on_cublas(monkeypatch, run):
+def test_layers_normalising_in_their_products_decode_as_on_cublas(monkeypatch, run, rope_epilogue, silu_splits):
     """``ROWS_NORM_PROLOGUE``: each layer of the six-row decode steps (and the 9-token prefill) runs QKV
-    normalising the stream in its prologue, with rotary and the cache write in its epilogue, O and down
-    adding into the stream, gate/up normalising it with SiLU * up in its epilogue: four launches and
-    attention, no norm, rotary or activation kernel. Float32: cuBLAS's tokens, logprobs within float32
-    summation order."""
+    normalising the stream in its prologue (rotary and the cache write in its epilogue, or the rotary
+    kernel after it), O and down adding into the stream, gate/up normalising it (SiLU * up in its
+    epilogue, or the activation kernel where the product splits K): no norm kernel. Float32: cuBLAS's
+    tokens, logprobs within float32 summation order."""
     if (run == "gpu") != CUDA:
         pytest.skip("the CPU case runs without a GPU, the GPU case with one")
     reference, _, _ = _decode(monkeypatch, rows_kernel=False)
-    outputs, decode_calls, alone_calls = _decode(monkeypatch, rows_kernel=True, norm_prologue=True)
+    outputs, decode_calls, alone_calls = _decode(monkeypatch, rows_kernel=True, norm_prologue=True,
+                                                 rope_epilogue=rope_epilogue, silu_splits=silu_splits)
     kinds = [kind for _, kind in decode_calls]
-    assert kinds.count("qkv-norm") == kinds.count("norm") == kinds.count("add") // 2 > 0
-    assert not {"qkv", True, False} & set(kinds)  # every product fused with its neighbours
+    layers_run = kinds.count("add") // 2
+    gate_up = "norm" if silu_splits else "norm+silu"
+    expected = {"add": 2 * layers_run} | ({"qkv+norm": layers_run, gate_up: layers_run} if rope_epilogue
+                                          else {"norm": 2 * layers_run})
+    assert layers_run > 0 and {kind: kinds.count(kind) for kind in set(kinds)} == expected
     if not CUDA:
-        assert set(alone_calls) == {(9, "qkv-norm"), (9, "norm"), (9, "add")}
+        assert {kind for rows, kind in alone_calls if rows == 9} == set(expected)
     for got, want in zip(outputs, reference):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_rows_layers_need_the_switch_one_rank_and_every_product_on_the_rows_kernel(monkeypatch):
+    """``LlamaDecoderLayer._runs_rows_layer``: off with the switch off, over several ranks, or where a product
+    is not a FewRowsLinear taking the rows kernel for these tokens."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(layers, "rows_kernel_runs_on", lambda device: True)
+    few = [layers.FewRowsLinear(64, 64, bias=False, device="meta", max_tokens=16) for _ in range(4)]
+    layer = SimpleNamespace(tensor_parallel=SimpleNamespace(enabled=False),
+                            self_attn=SimpleNamespace(qkv_proj=few[0], o_proj=few[1]),
+                            mlp=SimpleNamespace(gate_up_proj=few[2], down_proj=few[3]))
+    runs = lambda x: llama.LlamaDecoderLayer._runs_rows_layer(layer, x)  # noqa: E731
+    x = torch.empty(5, 64, device="meta")
+    monkeypatch.setattr(llama, "ROWS_NORM_PROLOGUE", False)
+    assert not runs(x)
+    monkeypatch.setattr(llama, "ROWS_NORM_PROLOGUE", True)
+    assert runs(x)
+    assert not runs(torch.empty(1, 64, device="meta")) and not runs(torch.empty(17, 64, device="meta"))
+    layer.tensor_parallel.enabled = True
+    assert not runs(x)
+    layer.tensor_parallel.enabled = False
+    layer.mlp.down_proj = torch.nn.Linear(64, 64, device="meta")
+    assert not runs(x)
 
 
 def test_the_silu_epilogue_is_for_unsplit_16bit_products(monkeypatch):

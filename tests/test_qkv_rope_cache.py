@@ -308,11 +308,12 @@ def test_rows_kernel_model_shapes_gpu(num_tokens, num_heads, num_kv_heads, head_
 
 
 def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, tile, *, bias=False,
-                         cache_dtype=None, scales=(1.0, 1.0), seed=0):
+                         cache_dtype=None, scales=(1.0, 1.0), seed=0, norm=False):
     """The fused kernel against the rows kernel's product at the same tile (block_n the fused kernel's)
     followed by rope_and_write_kv_cache: the same bits in qkv and in the cache (poisoned: every element
     the fused kernel owns written). ``kind``: "w16" (16-bit weights), "w8a16" (FP8 codes, 16-bit
-    activations) or "fp8" (FP8 codes, activations quantised per token)."""
+    activations) or "fp8" (FP8 codes, activations quantised per token). ``norm`` (not "fp8"): x is the
+    residual stream, normalised in both kernels' prologue."""
     cache_dtype = cache_dtype or dtype
     width, kv_size, x, weight, weight_scale, qkv_bias = _qkv_operands(
         num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, seed, bias, kind != "w16")
@@ -321,10 +322,11 @@ def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, h
     want_cache = cache.clone()
 
     plain_tile = dataclasses.replace(tile, block_n=qkv_rows.half_block(head_size))
+    prologue = dict(norm_weight=_randn(hidden, dtype=dtype, seed=seed + 5) + 1.0, eps=EPS) if norm else {}
     if kind == "w16":
-        projected = fp8_matmul.rows_matmul(x, weight, qkv_bias, tile=plain_tile)
+        projected = fp8_matmul.rows_matmul(x, weight, qkv_bias, tile=plain_tile, **prologue)
     elif kind == "w8a16":
-        projected = fp8_matmul.w8a16_matmul(x, weight, weight_scale, qkv_bias, tile=plain_tile)
+        projected = fp8_matmul.w8a16_matmul(x, weight, weight_scale, qkv_bias, tile=plain_tile, **prologue)
     else:
         projected = fp8_matmul.scaled_mm(activations, weight, weight_scale, qkv_bias, tile=plain_tile)
     want = projected.clone()
@@ -332,7 +334,7 @@ def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, h
                                        num_kv_heads, head_size, k_scale=scales[0], v_scale=scales[1])
     got = qkv_rows.project_rope_and_write_kv_cache_on_rows_kernel(
         activations, weight, weight_scale, qkv_bias, positions, rotary.cos, rotary.sin, cache, slots, num_heads,
-        num_kv_heads, head_size, k_scale=scales[0], v_scale=scales[1], tile=tile)
+        num_kv_heads, head_size, k_scale=scales[0], v_scale=scales[1], tile=tile, **prologue)
     assert got.dtype == dtype and not got.isnan().any()
     assert torch.equal(got, want), (got.double() - want.double()).abs().max()
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
@@ -349,6 +351,21 @@ def check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, h
 def test_qkv_on_the_rows_kernel_is_its_product_then_rope_and_write(kind, num_tokens, num_heads, num_kv_heads,
                                                                    head_size, hidden, dtype, tile):
     check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, tile, seed=num_tokens)
+
+
+@pytest.mark.parametrize("kind", ["w16", "w8a16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_size,hidden,tile", [
+    (5, 4, 2, 64, 96, fp8_matmul.RowsTile(16, 64, 32, 4, 2)),
+    (6, 2, 2, 64, 224, fp8_matmul.RowsTile(16, 64, 32, 4, 2, split_k=3, tma=True)),  # each split reads whole rows
+    (20, 3, 1, 80, 48, fp8_matmul.RowsTile(16, 64, 32, 4, 2)),  # two token tiles, masked halves
+])
+def test_qkv_on_the_rows_kernel_with_the_norm_prologue(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden,
+                                                        dtype, tile):
+    """The residual stream normalised in the prologue: the bits of the plain rows kernel's product with the
+    same prologue, then rope_and_write_kv_cache (test_fp8_matmul checks that prologue against float64)."""
+    check_on_rows_kernel(kind, num_tokens, num_heads, num_kv_heads, head_size, hidden, dtype, tile, seed=num_tokens + 1,
+                         norm=True)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, FP8])
@@ -386,6 +403,13 @@ def test_qkv_on_the_rows_kernel_refuses_bad_operands():
     with pytest.raises(ValueError, match="float32 scales"):
         bad = fp8_matmul.QuantizedRows(x.to(FP8), torch.ones(2, device=DEVICE), torch.bfloat16)
         project(bad, codes, scale, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64)
+    with pytest.raises(ValueError, match="norm weight"):
+        project(x, weight, None, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64,
+                norm_weight=torch.ones(48, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not FP8 codes"):
+        rows = fp8_matmul.QuantizedRows(*fp8_matmul.quantize_rows_torch(x), torch.bfloat16)
+        project(rows, codes, scale, None, positions, rotary.cos, rotary.sin, None, None, 2, 1, 64,
+                norm_weight=torch.ones(64, device=DEVICE, dtype=torch.bfloat16))
 
 
 def test_qkv_on_the_rows_kernel_compiles_for_sm90():

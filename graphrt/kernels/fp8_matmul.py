@@ -280,7 +280,9 @@ def rows_tile_sums(x_ptr, w_ptr, w_desc, first_col, pair_offset, rows, row_ok, c
     ``_weight_rows_kernel``'s; with TMA ``w_desc`` boxes are [BLOCK_N, BLOCK_K]. With NORM (16-bit or
     float32 x, not codes) the rows are RMS-normalised first with the norm weight at ``norm_w_ptr`` and
     ``eps``, rounded as ``rms_norm_torch`` rounds them: each program reads its rows whole once for their
-    scales (KBs from L2 against the weights' MBs). Reads x: after a dependent launch's wait."""
+    scales before its loop, from L2. That read is all of K for the program's tokens where a split reads
+    K / SPLIT_K of its weight rows (16 tokens at SPLIT_K 4: as many bytes as the weights), a cost the split
+    rule does not weigh. Reads x: after a dependent launch's wait."""
     cols = first_col + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
@@ -582,15 +584,18 @@ def check_norm_and_residual(x: torch.Tensor, x_scale: torch.Tensor | None, norm_
     if norm_weight is not None:
         if x_scale is not None:
             raise ValueError("the norm prologue takes 16-bit or float32 activations, not FP8 codes")
-        if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-            raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be a contiguous "
-                             f"[{x.shape[1]}] {x.dtype} tensor")
+        if (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
+                or norm_weight.device != x.device):
+            raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device} "
+                             f"must be a contiguous [{x.shape[1]}] {x.dtype} tensor on {x.device}")
     if residual is not None:
         if silu_mul:
             raise ValueError("the residual add and SiLU * up are separate epilogues: one at a time")
-        if residual.shape != out_shape or residual.dtype != out_dtype or residual.stride(-1) != 1:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be {list(out_shape)} "
-                             f"{out_dtype} with contiguous columns")
+        # Rows that overlap (stride(0) below the width, as an expanded tensor's) would have programs race.
+        if (residual.shape != out_shape or residual.dtype != out_dtype or residual.stride(-1) != 1
+                or (out_shape[0] > 1 and residual.stride(0) < out_shape[1]) or residual.device != x.device):
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} must be "
+                             f"{list(out_shape)} {out_dtype} on {x.device}, columns contiguous, rows apart")
         if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             raise ValueError("residual must not share memory with x: programs would read x while others write it")
 
@@ -652,7 +657,8 @@ def reads_through_tma(weight: torch.Tensor, tile: RowsTile) -> bool:
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, tile: RowsTile | None = None, *,
-                 dependent_launch: bool = False, silu_mul: bool = False) -> torch.Tensor:
+                 dependent_launch: bool = False, silu_mul: bool = False, norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None])^T + bias`` with the codes widened in registers (W8A16).
 
     x: [M, K] (columns contiguous) 16-bit or float32; weight: [N, K] float8_e4m3fn, contiguous;
@@ -661,11 +667,13 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     code, and for activations of magnitude 2**-14 to 65504 (every bfloat16 value in that range is a
     float16 one; smaller ones lose bits below 2**-24, larger ones are clamped to 65504). float32
     activations multiply in float32. Any M; built for a few rows (``rows_tile``). No host sync: safe
-    inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M).
+    inside a CUDA graph. ``dependent_launch``, ``silu_mul``: as ``scaled_mm``'s (any M); ``norm_weight``,
+    ``eps``, ``residual``: as ``rows_matmul``'s.
     """
     _check_weight(x, weight, weight_scale)
     check_bias(weight, bias)
-    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, silu_mul)
+    return _rows_matmul(x, None, weight, weight_scale, bias, x.dtype, tile, dependent_launch, silu_mul, norm_weight,
+                        eps, residual)
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

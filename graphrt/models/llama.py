@@ -241,8 +241,8 @@ class LlamaDecoderLayer(nn.Module):
 
     The residual stream travels between layers as a pair ``(hidden, residual)`` whose sum is the
     stream: a layer leaves its last output in ``hidden`` for the next norm to add (``RMSNorm(x,
-    residual)`` fuses the add), or, on GEMV kernels, adds everything into ``residual`` in place and
-    passes ``hidden=None``.
+    residual)`` fuses the add), or, on GEMV kernels and on the rows kernel with ``ROWS_NORM_PROLOGUE``,
+    adds everything into ``residual`` in place and passes ``hidden=None``.
     """
 
     def __init__(self, config: ModelConfig, rotary, backend, dtype, device, policy: KernelPolicy,
@@ -271,7 +271,7 @@ class LlamaDecoderLayer(nn.Module):
         """positions: [T] int64; hidden: [T, hidden], the previous layer's pending output (the
         embeddings for layer 0), or None; residual: [T, hidden], the stream before ``hidden`` is
         added, None for layer 0. Returns the pair for the next layer, both [T, hidden] (``hidden`` None
-        after GEMV kernels).
+        after GEMV kernels and after ``_forward_rows``).
 
         A forward of at most ``policy.gemv_max_tokens`` tokens runs the GEMV kernels: QKV with the
         input norm, rotary and cache write fused in, attention, O adding into the stream, gate/up with
@@ -318,7 +318,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def _runs_rows_layer(self, x: torch.Tensor) -> bool:
         """Whether a forward of ``x`` ([T, hidden]) runs ``_forward_rows``: ``ROWS_NORM_PROLOGUE``, one rank,
-        and every product of the layer a 16-bit ``FewRowsLinear`` on the rows kernel for T tokens."""
+        and every product of the layer a ``FewRowsLinear`` (16-bit, or float32 where a policy allows it) on
+        the rows kernel for T tokens."""
         if not ROWS_NORM_PROLOGUE or self.tensor_parallel.enabled:
             return False
         projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
@@ -326,7 +327,7 @@ class LlamaDecoderLayer(nn.Module):
             p.takes_rows_kernel(x) for p in projections)
 
     def _forward_rows(self, positions, hidden, residual, kv_cache, attn_metadata):
-        """The GEMV layers' structure on the rows kernel (2-16 tokens, 16-bit): QKV normalising the stream
+        """The GEMV layers' structure on the rows kernel (2-16 tokens, ``FewRowsLinear``): QKV normalising the stream
         in its prologue (rotary and the cache write in its epilogue with ``ROWS_ROPE_EPILOGUE``), attention,
         O adding into the stream, gate/up normalising it (SiLU * up in its epilogue where it does not split
         K), down adding into the stream. Returns ``(None, residual)``, as ``_forward_gemv``."""
