@@ -7,6 +7,7 @@ rows of widely different magnitudes, the models' shapes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -163,18 +164,23 @@ def test_rows_matmul_norm_prologue_against_float64(rows, out_features, in_featur
         assert int((got != same_tile).sum()) <= max(1, got.numel() // 100)
 
 
+@pytest.mark.parametrize("kind", ["w16", "w8a16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows,out_features,in_features,tile", _NORM_TILES)
-def test_rows_matmul_residual_epilogue_is_the_product_added(rows, out_features, in_features, tile, dtype):
-    """residual += product in the epilogue: the bits of a torch add of the same tile's rounded product,
-    into the tensor passed (every element of it updated)."""
+def test_rows_matmul_residual_epilogue_is_the_product_added(rows, out_features, in_features, tile, dtype, kind):
+    """residual += product in the epilogue (16-bit weights, or FP8 codes on W8A16): the bits of a torch add
+    of the same tile's rounded product, into the tensor passed (every element of it updated)."""
     x = _rows(rows, in_features, dtype, seed=2 * rows + in_features)
     generator = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(dtype).to(DEVICE)
     bias = torch.randn(out_features, generator=generator).to(dtype).to(DEVICE)
     residual = _rows(rows, out_features, dtype, seed=7) * 4.0
-    expected = residual + fp8_matmul.rows_matmul(x, weight, bias, tile=tile)
-    got = fp8_matmul.rows_matmul(x, weight, bias, tile=tile, residual=residual)
+    if kind == "w16":
+        product = functools.partial(fp8_matmul.rows_matmul, x, weight, bias, tile=tile)
+    else:
+        product = functools.partial(fp8_matmul.w8a16_matmul, x, *quantize_per_channel(weight), bias, tile=tile)
+    expected = residual + product()
+    got = product(residual=residual)
     assert got.data_ptr() == residual.data_ptr()
     assert torch.equal(got, expected)
 
