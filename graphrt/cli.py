@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("GRAPHRT_API_KEY"),
                        help="the key clients must send (default: GRAPHRT_API_KEY; none when unset)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model's name in the API (default: the model file or folder's name)")
+                       help="the model's name in the API (default: SmolLM2-135M-Instruct for the default model, "
+                       "a random: preset as given, else the model file's name without .gguf or the folder's name)")
     serve.add_argument("--max-body-bytes", type=positive_int, default=2 << 20, metavar="N",
                        help="largest request body (default 2 MiB; 413 beyond)")
     serve.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
@@ -123,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest a client may take to send its request or to read a piece of its answer, and "
                        "(a third of it) to send the next request's headers (default 30)")
 
-    commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run")
+    commands.add_parser("info", parents=[common], help="versions, device, and which attention backends can run",
+                        description="Print the Python and library versions (torch, Triton, xFormers and the others "
+                        "graphrt uses), the device, the prefill path, which attention backends can run, and where the "
+                        "default model is.")
 
     bench = commands.add_parser(
         "bench", parents=[common],
@@ -247,7 +251,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         calibrate_kv_scales=args.calibrate_kv_scales, strict_max_tokens=args.strict, **engine_options(args),
     ) as llm:
         given: list[str | list[int]] = args.prompts  # texts and token-id lists, in the order given
-        if args.chat and (llm.tokenizer is None or llm.tokenizer.chat_template is None):
+        if args.chat and llm.tokenizer is None:
+            raise GraphrtError(f"model {args.model or 'default'!r} has no tokenizer, so no chat template: leave out "
+                               "--chat and pass token ids (--prompt-ids)")
+        if args.chat and llm.tokenizer.chat_template is None:
             raise GraphrtError(f"model {args.model or 'default'!r} has no chat template: leave out --chat")
         prompts = [llm.chat_prompt_ids(prompt) if args.chat and isinstance(prompt, str) else prompt
                    for prompt in given]

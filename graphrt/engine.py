@@ -944,14 +944,15 @@ class LLMEngine:
         if self.max_model_len <= holds:
             return self.max_model_len
         if self.config.max_model_len is not None:
-            logger.warning("max_model_len %d is longer than the KV cache holds (%d blocks of %d tokens: %d tokens "
-                           "a sequence at most): longer requests are refused", self.max_model_len, num_blocks - 1,
-                           self.config.block_size, holds)
+            logger.warning("max_model_len %d is longer than the KV cache holds (%d blocks, one of them reserved, of "
+                           "%d tokens: %d tokens a sequence at most): longer requests are refused", self.max_model_len,
+                           num_blocks, self.config.block_size, holds)
             return self.max_model_len
-        logger.info("max_model_len lowered from %d to %d, the longest sequence the KV cache's %d blocks hold",
-                    self.max_model_len, holds, num_blocks - 1)
-        self._max_model_len_origin = (f" (lowered from {self.max_model_len} to what the KV cache's {num_blocks - 1} "
-                                      f"blocks of {self.config.block_size} tokens hold; a larger cache raises it)")
+        logger.info("max_model_len lowered from %d to %d, the longest sequence the KV cache's %d blocks (one of them "
+                    "reserved) hold", self.max_model_len, holds, num_blocks)
+        self._max_model_len_origin = (f" (lowered from {self.max_model_len} to what the KV cache's {num_blocks} blocks "
+                                      f"of {self.config.block_size} tokens hold, one of them reserved, the last token "
+                                      "needing none; a larger cache raises it)")
         return holds
 
     def _choose_num_blocks(self) -> int:

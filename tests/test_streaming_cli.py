@@ -158,4 +158,4 @@ def test_text_and_token_id_prompts_answer_in_the_order_given():
 
 def test_chat_on_a_model_without_a_chat_template_names_the_model():
     done = _graphrt("generate", "--model", "random:tiny", "--device", "cpu", "--chat", "--prompt", "hi")
-    assert done.returncode == 2 and "model 'random:tiny' has no chat template: leave out --chat" in done.stderr
+    assert done.returncode == 2 and "model 'random:tiny' has no tokenizer, so no chat template: leave out --chat and pass token ids" in done.stderr
