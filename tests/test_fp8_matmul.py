@@ -185,6 +185,21 @@ def test_rows_matmul_residual_epilogue_is_the_product_added(rows, out_features, 
     assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (5, 3072, 2048), (8, 16384, 2048), (5, 2048, 2048), (16, 2048, 8192),  # Llama-3.2-1B QKV, gate/up, O, down
+    (8, 6144, 4096), (2, 4096, 14336),  # Llama-3-8B QKV, down
+])
+def test_norm_prologue_and_residual_epilogue_at_model_shapes_gpu(rows, out_features, in_features, dtype):
+    """The models' shapes at their default tiles (split K, TMA up to 16 tokens on sm_90+): the prologue
+    against float64 and the same tile's product of rms_norm_torch's rows, the epilogue bit for bit."""
+    test_rows_matmul_norm_prologue_against_float64(rows, out_features, in_features, None, dtype)
+    for kind in ("w16", "w8a16"):
+        test_rows_matmul_residual_epilogue_is_the_product_added(rows, out_features, in_features, None, dtype, kind)
+
+
 def test_rows_matmul_refuses_a_bad_norm_weight_or_residual():
     x = _rows(3, 64, torch.bfloat16, seed=1)
     weight = torch.randn(32, 64, device=DEVICE).to(torch.bfloat16)
