@@ -510,7 +510,7 @@ def test_a_prompt_longer_than_a_small_cache_holds_names_the_cache():
         with pytest.raises(InvalidRequestError) as err:
             small.engine.add_request(list(range(1, 40)), GREEDY)
     assert "prompt has 39 tokens but max_model_len is 33 (lowered from 2048" in str(err.value)  # the last token needs no slot
-    assert "KV cache's 2 blocks of 16 tokens" in str(err.value)
+    assert "KV cache's 3 blocks of 16 tokens hold, one of them reserved" in str(err.value)
 
 
 def test_a_checkpoint_missing_a_projection_names_it_and_its_folder(tmp_path):
