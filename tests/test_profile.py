@@ -62,6 +62,7 @@ def test_profile_on_cpu_writes_trace_and_breakdown(tmp_path, capfd):
     assert "aten::mm" in ops and ops["aten::mm"]["count_per_step"] > 0
     assert all(0 < op["share_of_step"] <= 1 for op in result["top_cpu_ops"])
     assert any("kernel figures need CUDA" in note for note in result["notes"])
+    assert not any("CUPTI" in note or "kernel durations" in note for note in result["notes"])  # no kernels on a CPU
 
     printed = captured.out
     assert "step wall time" in printed and "aten::mm" in printed and "kernel figures need CUDA" in printed
