@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from graphrt.base.checks import triton_interpreter_on
 from graphrt.kernels.dependent_launch import launch_options
 from graphrt.kernels.device import multiprocessors
-from graphrt.kernels.gemv import store_linear_output
+from graphrt.kernels.gemv import check_norm_weight, store_linear_output
 from graphrt.kernels.gemv_rows import rows_inv_rms
 from graphrt.kernels.rounding import FP8_MAX_VALUE, round_to, round_to_e4m3
 
@@ -584,10 +584,7 @@ def check_norm_and_residual(x: torch.Tensor, x_scale: torch.Tensor | None, norm_
     if norm_weight is not None:
         if x_scale is not None:
             raise ValueError("the norm prologue takes 16-bit or float32 activations, not FP8 codes")
-        if (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
-                or norm_weight.device != x.device):
-            raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device} "
-                             f"must be a contiguous [{x.shape[1]}] {x.dtype} tensor on {x.device}")
+        check_norm_weight(x, norm_weight)
     if residual is not None:
         if silu_mul:
             raise ValueError("the residual add and SiLU * up are separate epilogues: one at a time")

@@ -345,9 +345,9 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous columns, got shape {tuple(x.shape)}")
     rows, in_features = x.shape
-    for name, vector in (("bias", bias), ("norm weight", norm_weight)):
-        if vector is not None and (not vector.is_contiguous() or vector.dtype != x.dtype or vector.device != x.device):
-            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor on {x.device}")
+    if bias is not None and (not bias.is_contiguous() or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be a contiguous {x.dtype} tensor on {x.device}")
+    check_norm_weight(x, norm_weight)
     fp8 = weight.dtype == FP8_WEIGHT_DTYPE
     if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous() or (
             weight.dtype != x.dtype and not fp8):
@@ -367,9 +367,18 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         out_features //= 2
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {out_features} output features")
-    if norm_weight is not None and norm_weight.shape != (in_features,):
-        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {in_features} input features")
     return rows, in_features
+
+
+def check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+    """ValueError unless ``norm_weight`` is None or the RMSNorm weight a fused norm prologue takes for x [M, K]:
+    a contiguous [K] tensor in x's dtype on x's device."""
+    if norm_weight is None:
+        return
+    if not norm_weight.is_contiguous() or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(f"norm weight must be a contiguous {x.dtype} tensor on {x.device}")
+    if norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {x.shape[1]} input features")
 
 
 def output_for(x: torch.Tensor, out: torch.Tensor | None, out_features: int) -> torch.Tensor:

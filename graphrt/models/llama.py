@@ -298,11 +298,16 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm(attended, residual, quantize=quantize)
         return self.tensor_parallel.all_reduce(self.mlp(normed)), residual
 
-    def _forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
+    @staticmethod
+    def _whole_stream(hidden, residual) -> torch.Tensor:
+        """The residual stream with the previous layer's pending output added, for layers that update it in
+        place (``_forward_gemv``, ``_forward_rows``)."""
         if residual is None:
-            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
-        elif hidden is not None:
-            residual = residual + hidden
+            return hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
+        return residual if hidden is None else residual + hidden
+
+    def _forward_gemv(self, positions, hidden, residual, kv_cache, attn_metadata):
+        residual = self._whole_stream(hidden, residual)
         attention, mlp, kernels = self.self_attn, self.mlp, self._gemv
         linear = self._linear_rows if self.policy.runs_gemv_rows(positions.shape[0]) else self._linear_gemv
         launch = {"dependent_launch": self.policy.dependent_launch}
@@ -331,10 +336,7 @@ class LlamaDecoderLayer(nn.Module):
         in its prologue (rotary and the cache write in its epilogue with ``ROWS_ROPE_EPILOGUE``), attention,
         O adding into the stream, gate/up normalising it (SiLU * up in its epilogue where it does not split
         K), down adding into the stream. Returns ``(None, residual)``, as ``_forward_gemv``."""
-        if residual is None:
-            residual = hidden  # the embeddings, a fresh tensor: from here the stream is updated in place
-        elif hidden is not None:
-            residual = residual + hidden
+        residual = self._whole_stream(hidden, residual)
         attention, mlp = self.self_attn, self.mlp
         attended = attention(positions, residual, kv_cache, attn_metadata, rows_norm=self.input_layernorm)
         attention.o_proj(attended, residual=residual)
